@@ -1,0 +1,274 @@
+#pragma once
+// The join behind wait_all, when_all and drain: one allocation per batch wait, holding one waiter node
+// per member inline.
+//
+// Everything the verdict depends on lives in one 64-bit word: the number of members not yet terminal
+// (plus one for the registering thread, cppcoro's N+1 trick), and flags REGISTERED, FAILED, TIMED_OUT
+// and CLAIMED. Every event (a member ends, registration finishes, the deadline passes) is one CAS on
+// that word, and the CAS that first makes the verdict decidable also sets CLAIMED: exactly one actor
+// decides the verdict and delivers it, whichever thread it runs on.
+//
+// Lifetime: the join is reference counted (the waiting side, each member still linked into a status,
+// the armed timer), so a completion that arrives after the verdict touches only the join, never the
+// waiting coroutine's frame or the waiting thread's stack, and the verdict path never has to unlink N
+// nodes before it returns: the short-circuit costs the same for 1 member and for 65536.
+
+#include <atomic>
+#include <coroutine>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <new>
+#include <optional>
+#include <span>
+
+#include "ferry/batch_result.hpp"
+#include "ferry/detail/futex.hpp"
+#include "ferry/detail/status_block.hpp"
+#include "ferry/detail/timer_service.hpp"
+#include "ferry/transfer.hpp"
+
+namespace ferry::detail {
+
+enum class batch_mode : std::uint8_t {
+  short_circuit,  // wait_all / when_all: the first failure decides
+  drain,          // drain: only "every member terminal" or the deadline decides
+};
+
+inline constexpr std::size_t max_batch_members = std::numeric_limits<std::uint32_t>::max() - 1;
+
+class batch_join : private timer_node {
+ public:
+  // Delivers a verdict decided by another thread: posts the coroutine, or wakes the blocked thread.
+  using deliver_fn = void (*)(batch_join*) noexcept;
+
+  // Throws std::bad_alloc.
+  [[nodiscard]] static batch_join* create(std::size_t members, batch_mode mode) {
+    void* raw = ::operator new(sizeof(batch_join) + members * sizeof(waiter));
+    return ::new (raw) batch_join(members, mode);
+  }
+
+  batch_join(const batch_join&) = delete;
+  batch_join& operator=(const batch_join&) = delete;
+
+  // For a coroutine: the verdict is delivered by posting `h` through `*scheduler`, which lives in the
+  // awaiter and stays valid until `h` resumes.
+  void deliver_to(std::coroutine_handle<> h, const any_scheduler* s) noexcept {
+    continuation_ = h;
+    scheduler_ = s;
+    deliver_ = &post_continuation;
+  }
+
+  // For a blocked thread: the verdict is delivered through done_ (see wait_blocking).
+  void deliver_to_sleeper() noexcept { deliver_ = &wake_sleeper; }
+
+  // Arms the deadline (when `timers` is given), links every member and finishes registration.
+  // Returns true when the verdict was decided during the call: the caller then must neither suspend
+  // nor sleep. When it returns false, another thread may deliver the verdict at any moment.
+  // Throws std::bad_alloc (only from arming the timer, before anything is linked).
+  bool start(std::span<const transfer> members, timer_service* timers,
+             clock::time_point deadline) {
+    if (timers != nullptr) {
+      timer_node::deadline = deadline;
+      timer_node::fire = &on_deadline;
+      refs_.fetch_add(1, std::memory_order_relaxed);  // the armed timer's reference
+      try {
+        timers->arm(*this);
+      } catch (...) {
+        refs_.fetch_sub(1, std::memory_order_relaxed);
+        throw;
+      }
+      timers_ = timers;
+    }
+    // Pre-count one reference per member, and give back those that were never linked in one step.
+    refs_.fetch_add(members.size(), std::memory_order_relaxed);
+    std::size_t unlinked = 0;
+    for (std::size_t i = 0; i < members.size(); ++i) {
+      waiter& node = nodes()[i];
+      node.index = static_cast<std::uint32_t>(i);
+      node.notify = &on_member;
+      node.expired = &is_expired;
+      status_block* s = members[i].status();
+      if (s != nullptr && s->add_waiter(&node)) continue;
+      ++unlinked;
+      if (s == nullptr) {
+        member_ended(i, {transfer_state::failed, make_error_code(errc::empty_transfer), 0});
+      } else {
+        member_ended(i, s->event());
+      }
+    }
+    if (unlinked != 0) refs_.fetch_sub(unlinked, std::memory_order_relaxed);
+    return advance(event::registered);
+  }
+
+  // Blocks until the verdict is delivered or `deadline` passes (null: none). Returns once the result
+  // is readable.
+  void wait_blocking(const clock::time_point* deadline) noexcept {
+    for (int i = 0; i < status_block::spin_before_sleep; ++i) {
+      if (done_.load(std::memory_order_acquire) != 0) return;
+      cpu_relax();
+    }
+    while (done_.load(std::memory_order_acquire) == 0) {
+      if (futex_wait(done_, 0, deadline)) continue;
+      // The deadline passed. If the timeout decides, the result is ours to read now; otherwise the
+      // actor that decided is about to publish done_.
+      if (advance(event::timeout)) return;
+      deadline = nullptr;
+    }
+  }
+
+  [[nodiscard]] const batch_result& result() const noexcept { return result_; }
+
+  // The waiting side is finished with the join: disarm the timer and drop the waiter's reference.
+  // If no verdict was delivered (a coroutine destroyed while suspended), claim it first so that no
+  // completion tries to resume what is gone.
+  void finish() noexcept {
+    word_.fetch_or(claimed, std::memory_order_acq_rel);
+    if (timers_ != nullptr && timers_->cancel(*this)) release();
+    release();
+  }
+
+ private:
+  enum class event : std::uint8_t { success, failure, registered, timeout };
+
+  static constexpr std::uint64_t count_mask = (std::uint64_t{1} << 40) - 1;
+  static constexpr std::uint64_t registered = std::uint64_t{1} << 60;
+  static constexpr std::uint64_t failed = std::uint64_t{1} << 61;
+  static constexpr std::uint64_t timed_out = std::uint64_t{1} << 62;
+  static constexpr std::uint64_t claimed = std::uint64_t{1} << 63;
+
+  batch_join(std::size_t members, batch_mode mode) noexcept
+      : word_(members + 1), mode_(mode) {}
+
+  ~batch_join() = default;
+
+  waiter* nodes() noexcept {
+    return std::launder(reinterpret_cast<waiter*>(reinterpret_cast<unsigned char*>(this) +
+                                                  sizeof(batch_join)));
+  }
+
+  static batch_join* owner_of(const waiter* w) noexcept {
+    const waiter* first = w - w->index;
+    return reinterpret_cast<batch_join*>(
+        const_cast<unsigned char*>(reinterpret_cast<const unsigned char*>(first)) -
+        sizeof(batch_join));
+  }
+
+  void member_ended(std::size_t index, const completion_event& ev) noexcept {
+    bool decided = false;
+    if (ev.state == transfer_state::success) {
+      decided = advance(event::success);
+    } else {
+      record_failure(index, ev);
+      decided = advance(event::failure);
+    }
+    if (decided) deliver_(this);
+  }
+
+  // During start() the REGISTERED flag is still clear, so no member event can claim: deliver_ is
+  // never called from inside start().
+  void record_failure(std::size_t index, const completion_event& ev) noexcept {
+    while (failure_lock_.exchange(true, std::memory_order_acquire)) cpu_relax();
+    if (!first_failed_ || ev.sequence < first_sequence_) {
+      first_failed_ = index;
+      first_sequence_ = ev.sequence;
+      first_error_ = ev.error;
+    }
+    failure_lock_.store(false, std::memory_order_release);
+  }
+
+  // One CAS per event. Returns true when this event decided the verdict (and wrote result_).
+  bool advance(event e) noexcept {
+    std::uint64_t old = word_.load(std::memory_order_relaxed);
+    std::uint64_t next = 0;
+    bool decides = false;
+    do {
+      next = old;
+      if (e != event::timeout) --next;
+      if (e == event::failure && mode_ == batch_mode::short_circuit) next |= failed;
+      if (e == event::registered) next |= registered;
+      if (e == event::timeout) next |= timed_out;
+      decides = (old & claimed) == 0 && (next & registered) != 0 &&
+                ((next & (failed | timed_out)) != 0 || (next & count_mask) == 0);
+      if (decides) next |= claimed;
+      // acq_rel: a decider must see every failure recorded before an earlier event's CAS, and its
+      // result_ write must not move above the claim.
+    } while (!word_.compare_exchange_weak(old, next, std::memory_order_acq_rel,
+                                          std::memory_order_relaxed));
+    if (decides) decide(next);
+    return decides;
+  }
+
+  void decide(std::uint64_t word) noexcept {
+    const std::size_t pending = static_cast<std::size_t>(word & count_mask);
+    batch_result r;
+    r.pending = pending;
+    while (failure_lock_.exchange(true, std::memory_order_acquire)) cpu_relax();
+    if (first_failed_) {
+      r.first_failed = first_failed_;
+      r.error = first_error_;
+    }
+    failure_lock_.store(false, std::memory_order_release);
+    if ((word & failed) != 0) {
+      r.verdict = verdict::failed;
+    } else if (pending == 0) {
+      r.verdict = r.first_failed ? verdict::failed : verdict::success;
+    } else {
+      r.verdict = verdict::timed_out;
+    }
+    result_ = r;
+  }
+
+  static void on_member(waiter* w, const completion_event& ev) noexcept {
+    batch_join* self = owner_of(w);
+    // A swept node (state pending) belongs to a wait that already has its verdict.
+    if (ev.state != transfer_state::pending) self->member_ended(w->index, ev);
+    self->release();
+  }
+
+  static bool is_expired(const waiter* w) noexcept {
+    return (owner_of(w)->word_.load(std::memory_order_acquire) & claimed) != 0;
+  }
+
+  static void on_deadline(timer_node* t) noexcept {
+    auto* self = static_cast<batch_join*>(t);
+    if (self->advance(event::timeout)) self->deliver_(self);
+    self->release();
+  }
+
+  static void post_continuation(batch_join* self) noexcept {
+    // The awaiter (and the scheduler in it) stays alive until the continuation runs.
+    self->scheduler_->post(self->continuation_);
+  }
+
+  static void wake_sleeper(batch_join* self) noexcept {
+    self->done_.store(1, std::memory_order_release);
+    futex_wake_all(self->done_);
+  }
+
+  void release() noexcept {
+    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      this->~batch_join();
+      ::operator delete(static_cast<void*>(this));
+    }
+  }
+
+  std::atomic<std::uint64_t> word_;
+  std::atomic<std::size_t> refs_{1};  // the waiting side, linked members, the armed timer
+  std::atomic<std::uint32_t> done_{0};  // futex word for a blocked waiter
+  std::atomic<bool> failure_lock_{false};
+  batch_mode mode_;
+  std::optional<std::size_t> first_failed_;
+  std::uint64_t first_sequence_ = 0;
+  std::error_code first_error_;
+  batch_result result_;
+  deliver_fn deliver_ = nullptr;
+  std::coroutine_handle<> continuation_;
+  const any_scheduler* scheduler_ = nullptr;
+  timer_service* timers_ = nullptr;
+};
+
+static_assert(alignof(batch_join) >= alignof(waiter));
+static_assert(sizeof(batch_join) % alignof(waiter) == 0);
+
+}  // namespace ferry::detail

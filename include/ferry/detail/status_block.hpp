@@ -1,0 +1,274 @@
+#pragma once
+// The shared status behind every transfer handle and completer.
+//
+// One 32-bit word holds the state (2 bits), a spin lock bit and a "a thread sleeps on me" bit, so that
+// state() is a single acquire load, and so that a blocked thread can futex-wait on the very word a
+// completion changes. The lock serialises the waiter list against completion: a waiter is either
+// linked before the state turns terminal (and is then notified) or finds the state terminal (and is
+// not linked). Notification runs after the lock is released, so a continuation resumed inline may
+// touch this status again without deadlocking.
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <system_error>
+
+#include "ferry/detail/block_pool.hpp"
+#include "ferry/detail/futex.hpp"
+#include "ferry/errors.hpp"
+#include "ferry/transfer_state.hpp"
+
+namespace ferry::detail {
+
+// What a waiter learns when the status it waits on ends. state == pending means the waiter was
+// swept off the list without a completion because its wait had already ended (see expired()).
+struct completion_event {
+  transfer_state state = transfer_state::pending;
+  std::error_code error;
+  std::uint64_t sequence = 0;
+};
+
+// An intrusive node in a status's waiter list. Owners: a coroutine awaiting one transfer, or one
+// member of a batch join. `linked` is guarded by the status lock.
+struct waiter {
+  using notify_fn = void (*)(waiter*, const completion_event&) noexcept;
+  using expired_fn = bool (*)(const waiter*) noexcept;
+
+  waiter* next = nullptr;
+  waiter* prev = nullptr;
+  notify_fn notify = nullptr;
+  expired_fn expired = nullptr;  // null: never swept
+  std::uint32_t index = 0;       // the owner's own use (a batch member's position)
+  bool linked = false;
+};
+
+// "First failure in time" is decided by this sequence. Successes take no number: no verdict depends
+// on the order of successes, and skipping them keeps the success path free of a shared counter.
+inline std::atomic<std::uint64_t> failure_sequence{0};
+
+class alignas(64) status_block {
+ public:
+  static constexpr std::uint32_t state_mask = 0x3;
+  static constexpr std::uint32_t lock_bit = 0x4;
+  static constexpr std::uint32_t sleepers_bit = 0x8;
+
+  using pool = block_pool<status_block>;
+
+  // A new pending status with one transfer reference and one completer reference.
+  [[nodiscard]] static status_block* make() {
+    status_block* s = pool::acquire();
+    s->word_.store(0, std::memory_order_relaxed);
+    s->completers_.store(1, std::memory_order_relaxed);
+    s->refs_.store(2, std::memory_order_relaxed);  // one transfer handle + the completer group
+    s->sequence_ = 0;
+    s->error_ = {};
+    s->head_ = nullptr;
+    s->tail_ = nullptr;
+    return s;
+  }
+
+  [[nodiscard]] transfer_state state() const noexcept {
+    // Pairs with the release in complete(): a terminal state carries error_ and sequence_.
+    return static_cast<transfer_state>(word_.load(std::memory_order_acquire) & state_mask);
+  }
+
+  // Valid only once state() returned a terminal state.
+  [[nodiscard]] completion_event event() const noexcept { return {state(), error_, sequence_}; }
+
+  [[nodiscard]] std::error_code error() const noexcept {
+    return state() == transfer_state::pending ? std::error_code{} : error_;
+  }
+
+  // The first terminal call wins; later ones return false and change nothing.
+  bool complete(transfer_state to, std::error_code ec) noexcept {
+    // Cheap refusal without the lock; also keeps a continuation resumed inline from deadlocking
+    // when it completes this status again.
+    if ((word_.load(std::memory_order_acquire) & state_mask) != 0) return false;
+    const std::uint32_t seen = lock();
+    if ((seen & state_mask) != 0) {
+      unlock();
+      return false;
+    }
+    if (to != transfer_state::success) {
+      if (!ec) ec = make_error_code(to == transfer_state::cancelled ? errc::cancelled
+                                                                    : errc::unspecified_failure);
+      sequence_ = failure_sequence.fetch_add(1, std::memory_order_relaxed) + 1;
+    } else {
+      ec = {};
+    }
+    error_ = ec;
+    // Publish while still holding the lock: any waiter linked from now on would be lost, and the
+    // lock keeps registration out. fetch_or keeps a sleepers bit set concurrently by wait().
+    word_.fetch_or(static_cast<std::uint32_t>(to), std::memory_order_release);
+    waiter* list = head_;
+    head_ = tail_ = nullptr;
+    for (waiter* w = list; w != nullptr; w = w->next) w->linked = false;
+    const std::uint32_t before_unlock = word_.fetch_and(~lock_bit, std::memory_order_release);
+    if ((before_unlock & sleepers_bit) != 0) futex_wake_all(word_);
+
+    // Outside the lock. Each waiter's owner keeps it alive until notified (a suspended coroutine,
+    // or a batch join that holds a reference per linked member); read `next` before notifying
+    // because a notified owner may free its node at once.
+    const completion_event ev{to, ec, sequence_};
+    while (list != nullptr) {
+      waiter* next = list->next;
+      list->notify(list, ev);
+      list = next;
+    }
+    return true;
+  }
+
+  // Links `w` unless the status is already terminal (returns false: nothing was linked).
+  [[nodiscard]] bool add_waiter(waiter* w) noexcept {
+    if (state() != transfer_state::pending) return false;
+    const std::uint32_t seen = lock();
+    if ((seen & state_mask) != 0) {
+      unlock();
+      return false;
+    }
+    waiter* swept = sweep_expired();
+    w->next = nullptr;
+    w->prev = tail_;
+    if (tail_ != nullptr) {
+      tail_->next = w;
+    } else {
+      head_ = w;
+    }
+    tail_ = w;
+    w->linked = true;
+    unlock();
+    notify_swept(swept);
+    return true;
+  }
+
+  // Unlinks `w` if it is still linked. Returns false when a completion already took it: its
+  // notification has then run, or is running on the completing thread.
+  bool remove_waiter(waiter* w) noexcept {
+    lock();
+    const bool was_linked = w->linked;
+    if (was_linked) unlink(w);
+    unlock();
+    return was_linked;
+  }
+
+  // Blocks until terminal or until `deadline` passes (null: no deadline). Returns the state seen.
+  transfer_state wait(const clock::time_point* deadline) noexcept {
+    // A short spin first: completions often land within microseconds, and a futex round trip costs
+    // more than that.
+    for (int i = 0; i < spin_before_sleep; ++i) {
+      if (state() != transfer_state::pending) return state();
+      cpu_relax();
+    }
+    std::uint32_t v = word_.load(std::memory_order_acquire);
+    while ((v & state_mask) == 0) {
+      if ((v & sleepers_bit) == 0) {
+        // Once set, the completer's unlock sees the bit (both are RMWs on this word) and wakes us.
+        if (!word_.compare_exchange_weak(v, v | sleepers_bit, std::memory_order_acquire,
+                                         std::memory_order_acquire)) {
+          continue;
+        }
+        v |= sleepers_bit;
+      }
+      if (!futex_wait(word_, v, deadline)) return state();
+      v = word_.load(std::memory_order_acquire);
+    }
+    return static_cast<transfer_state>(v & state_mask);
+  }
+
+  void add_transfer_ref() noexcept { refs_.fetch_add(1, std::memory_order_relaxed); }
+
+  void release_transfer_ref() noexcept { release(); }
+
+  void add_completer_ref() noexcept { completers_.fetch_add(1, std::memory_order_relaxed); }
+
+  // The last completer to go fails a pending transfer as abandoned, so that no transfer can stay
+  // pending because the side that should complete it forgot it.
+  void release_completer_ref() noexcept {
+    if (completers_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      complete(transfer_state::failed, make_error_code(errc::abandoned));
+      release();
+    }
+  }
+
+  static constexpr int spin_before_sleep = 256;
+
+ private:
+  friend class block_pool<status_block>;
+
+  std::uint32_t lock() noexcept {
+    std::uint32_t v = word_.load(std::memory_order_relaxed);
+    for (;;) {
+      if ((v & lock_bit) == 0 &&
+          word_.compare_exchange_weak(v, v | lock_bit, std::memory_order_acquire,
+                                      std::memory_order_relaxed)) {
+        return v | lock_bit;
+      }
+      cpu_relax();
+      v = word_.load(std::memory_order_relaxed);
+    }
+  }
+
+  void unlock() noexcept { word_.fetch_and(~lock_bit, std::memory_order_release); }
+
+  void unlink(waiter* w) noexcept {
+    if (w->prev != nullptr) {
+      w->prev->next = w->next;
+    } else {
+      head_ = w->next;
+    }
+    if (w->next != nullptr) {
+      w->next->prev = w->prev;
+    } else {
+      tail_ = w->prev;
+    }
+    w->next = w->prev = nullptr;
+    w->linked = false;
+  }
+
+  // Takes up to two expired waiters off the head, so that a caller that waits on a transfer that
+  // never ends, again and again with a timeout, cannot grow this list without bound: every
+  // registration removes at least as many dead nodes as it adds.
+  waiter* sweep_expired() noexcept {
+    waiter* swept = nullptr;
+    for (int i = 0; i < 2 && head_ != nullptr; ++i) {
+      waiter* w = head_;
+      if (w->expired == nullptr || !w->expired(w)) break;
+      unlink(w);
+      w->next = swept;
+      swept = w;
+    }
+    return swept;
+  }
+
+  static void notify_swept(waiter* swept) noexcept {
+    while (swept != nullptr) {
+      waiter* next = swept->next;
+      swept->notify(swept, completion_event{});
+      swept = next;
+    }
+  }
+
+  void release() noexcept {
+    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      // Every completer is gone, so the status is terminal and its waiter list is empty.
+      pool::release(this);
+    }
+  }
+
+  std::atomic<std::uint32_t> word_{0};
+  std::atomic<std::uint32_t> completers_{0};
+  std::atomic<std::uint32_t> refs_{0};  // transfer handles, plus one while any completer exists
+  std::uint64_t sequence_ = 0;
+  std::error_code error_;
+  waiter* head_ = nullptr;
+  waiter* tail_ = nullptr;
+  status_block* pool_next_ = nullptr;  // the pool's free-list link, never poisoned
+
+ public:
+  // The pool may poison everything before pool_next_.
+  static constexpr std::size_t poisonable_bytes = 56;
+};
+
+static_assert(sizeof(status_block) == 64, "a status block is one cache line");
+
+}  // namespace ferry::detail

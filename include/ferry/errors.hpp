@@ -1,0 +1,70 @@
+#pragma once
+// ferry's own error conditions. Backends report errno values in std::system_category; everything
+// ferry itself decides (an empty handle, an abandoned completer, an injected fault) is a ferry::errc.
+
+#include <string>
+#include <system_error>
+
+namespace ferry {
+
+enum class errc : int {
+  empty_transfer = 1,
+  abandoned,
+  cancelled,
+  injected_fault,
+  destination_too_small,
+  source_too_small,
+  overlapping_buffers,
+  backend_shut_down,
+  unspecified_failure,
+  batch_too_large,
+};
+
+namespace detail {
+
+class error_category_impl final : public std::error_category {
+ public:
+  [[nodiscard]] const char* name() const noexcept override { return "ferry"; }
+
+  [[nodiscard]] std::string message(int value) const override {
+    switch (static_cast<errc>(value)) {
+      case errc::empty_transfer:
+        return "transfer handle is empty (default-constructed or moved-from)";
+      case errc::abandoned:
+        return "every completer of the transfer was destroyed before it completed";
+      case errc::cancelled:
+        return "transfer was cancelled before it completed";
+      case errc::injected_fault:
+        return "failure injected by ferry::fault_injector";
+      case errc::destination_too_small:
+        return "destination span is smaller than the number of bytes to copy";
+      case errc::source_too_small:
+        return "source span is smaller than the number of bytes to copy";
+      case errc::overlapping_buffers:
+        return "source and destination of a copy overlap";
+      case errc::backend_shut_down:
+        return "backend was destroyed while the transfer was still queued";
+      case errc::unspecified_failure:
+        return "transfer failed without an error code (completer::fail got an empty error_code)";
+      case errc::batch_too_large:
+        return "batch has more members than ferry can track in one wait (2^32 - 1)";
+    }
+    return "unknown ferry error " + std::to_string(value);
+  }
+};
+
+}  // namespace detail
+
+[[nodiscard]] inline const std::error_category& error_category() noexcept {
+  static const detail::error_category_impl category;
+  return category;
+}
+
+[[nodiscard]] inline std::error_code make_error_code(errc e) noexcept {
+  return {static_cast<int>(e), error_category()};
+}
+
+}  // namespace ferry
+
+template <>
+struct std::is_error_code_enum<ferry::errc> : std::true_type {};

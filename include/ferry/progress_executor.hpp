@@ -1,0 +1,407 @@
+#pragma once
+// The progress executor: one dedicated thread that polls every completion source registered with it
+// and fires deadline timers. Engine threads submit and never poll.
+//
+// Parking follows seastar: when idle past its spin budget the thread announces that it parks, polls
+// every source once more (arming those that need it), and only then sleeps in epoll on an eventfd and
+// the sources' descriptors. A submitter that queued work calls notify(), which costs one fence and one
+// load unless the thread has announced sleep; only then does it write the eventfd.
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+#include <pthread.h>
+#include <sched.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "ferry/detail/futex.hpp"
+#include "ferry/detail/timer_service.hpp"
+#include "ferry/when_all.hpp"
+
+namespace ferry {
+
+enum class progress_mode {
+  busy,      // spins forever: lowest latency, one core
+  adaptive,  // spins for spin_budget after the last work, then parks
+  park,      // parks as soon as a round finds nothing
+};
+
+struct executor_options {
+  progress_mode mode = progress_mode::adaptive;
+  std::chrono::nanoseconds spin_budget = std::chrono::microseconds(50);
+  std::size_t poll_budget = 256;  // completions one source may handle per round
+  int cpu = -1;                   // pin the thread to this CPU; -1 leaves it unpinned
+};
+
+struct executor_counters {
+  std::uint64_t completions = 0;   // sum of what poll() reported
+  std::uint64_t rounds = 0;        // loop iterations
+  std::uint64_t parks = 0;         // times the thread slept
+  std::uint64_t wakeups = 0;       // eventfd writes by notify()
+  std::uint64_t timers_fired = 0;
+};
+
+// poll(budget) handles up to `budget` completions and returns how many it handled.
+template <class S>
+concept completion_source = requires(S& s, std::size_t budget) {
+  { s.poll(budget) } -> std::convertible_to<std::size_t>;
+};
+
+// A source with a descriptor that becomes readable when it has completions (an io_uring ring, a verbs
+// completion channel). Without one, the source's submitters call progress_executor::notify().
+template <class S>
+concept parkable_source = completion_source<S> && requires(S& s) {
+  { s.park_fd() } -> std::convertible_to<int>;
+};
+
+// A source that must be asked to signal its descriptor (ibv_req_notify_cq). arm() returns false when
+// completions arrived meanwhile: the executor then polls instead of sleeping.
+template <class S>
+concept armable_source = requires(S& s) {
+  { s.arm() } -> std::convertible_to<bool>;
+};
+
+class progress_executor {
+ public:
+  progress_executor() : progress_executor(executor_options{}) {}
+
+  explicit progress_executor(executor_options options)
+      : options_(options), timers_(&kick_timers, this) {
+    if (options_.poll_budget == 0) {
+      throw std::invalid_argument("ferry::executor_options::poll_budget must be at least 1");
+    }
+    if (options_.spin_budget < std::chrono::nanoseconds::zero()) {
+      throw std::invalid_argument("ferry::executor_options::spin_budget must not be negative");
+    }
+    wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (wake_fd_ < 0) throw std::system_error(errno, std::system_category(), "ferry: eventfd");
+    epoll_fd_ = ::epoll_create1(EPOLL_CLOEXEC);
+    if (epoll_fd_ < 0) {
+      const int err = errno;
+      ::close(wake_fd_);
+      throw std::system_error(err, std::system_category(), "ferry: epoll_create1");
+    }
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.u64 = wake_tag;
+    if (::epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, wake_fd_, &ev) != 0) {
+      const int err = errno;
+      close_fds();
+      throw std::system_error(err, std::system_category(), "ferry: epoll_ctl(eventfd)");
+    }
+    thread_ = std::thread([this] { run(); });
+  }
+
+  progress_executor(const progress_executor&) = delete;
+  progress_executor& operator=(const progress_executor&) = delete;
+
+  // Every backend must be destroyed first: a source left registered, or a when_all still armed on this
+  // executor's timers, would be used after it is freed, so that is reported and the process aborts.
+  ~progress_executor() {
+    {
+      std::lock_guard lock(sources_mutex_);
+      if (!sources_.empty()) {
+        std::fprintf(stderr,
+                     "ferry: progress_executor destroyed with %zu completion source(s) still "
+                     "registered; destroy every backend before its executor\n",
+                     sources_.size());
+        std::abort();
+      }
+    }
+    stop_.store(true, std::memory_order_release);
+    wake_thread();
+    thread_.join();
+    if (!timers_.empty()) {
+      std::fprintf(stderr,
+                   "ferry: progress_executor destroyed with timers still armed (a when_all on its "
+                   "timers has not finished)\n");
+      std::abort();
+    }
+    close_fds();
+  }
+
+  // Starts polling `source` (and parking on its descriptor, if it has one). `source` must stay
+  // valid until remove_source returns.
+  template <completion_source S>
+  void add_source(S& source) {
+    source_entry e;
+    e.object = &source;
+    e.poll = [](void* o, std::size_t budget) -> std::size_t {
+      return static_cast<std::size_t>(static_cast<S*>(o)->poll(budget));
+    };
+    if constexpr (armable_source<S>) {
+      e.arm = [](void* o) -> bool { return static_cast<S*>(o)->arm(); };
+    }
+    if constexpr (parkable_source<S>) e.fd = static_cast<int>(source.park_fd());
+    if (e.fd >= 0) {
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      ev.data.u64 = source_tag;
+      if (::epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, e.fd, &ev) != 0) {
+        throw std::system_error(errno, std::system_category(),
+                                "ferry: epoll_ctl(ADD) for a completion source's descriptor");
+      }
+    }
+    {
+      std::lock_guard lock(sources_mutex_);
+      sources_.push_back(e);
+      generation_.fetch_add(1, std::memory_order_seq_cst);
+    }
+    notify();
+  }
+
+  // After this returns, the executor never calls `source` again (not even from a round that was
+  // already running when it was called).
+  template <completion_source S>
+  void remove_source(S& source) noexcept {
+    int fd = -1;
+    {
+      std::lock_guard lock(sources_mutex_);
+      for (auto it = sources_.begin(); it != sources_.end(); ++it) {
+        if (it->object == &source) {
+          fd = it->fd;
+          sources_.erase(it);
+          break;
+        }
+      }
+      generation_.fetch_add(1, std::memory_order_seq_cst);
+    }
+    if (fd >= 0) ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, fd, nullptr);
+    if (on_executor_thread()) {
+      // Called from inside a round (a continuation resumed inline): stop the running round from
+      // reaching it too.
+      for (auto& e : round_sources_) {
+        if (e.object == &source) e.object = nullptr;
+      }
+      return;
+    }
+    sync();
+  }
+
+  // Work was queued for a source without a descriptor: wake the thread if, and only if, it parks.
+  void notify() noexcept {
+    // Pairs with the fence in park(): either the parking thread's last poll sees the work queued
+    // before this fence, or this load sees that it announced sleep.
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (parked_.load(std::memory_order_relaxed) &&
+        parked_.exchange(false, std::memory_order_acq_rel)) {
+      wakeups_.fetch_add(1, std::memory_order_relaxed);
+      wake_thread();
+    }
+  }
+
+  // Returns once a round that started after this call has begun, so every round that could have seen
+  // an earlier state (a removed source, a cancelled timer) is over.
+  void sync() noexcept {
+    if (on_executor_thread()) return;
+    const std::uint64_t seen = rounds_.load(std::memory_order_seq_cst);
+    while (rounds_.load(std::memory_order_acquire) <= seen) {
+      if (stopped_.load(std::memory_order_acquire)) return;
+      wake_thread();
+      std::this_thread::yield();
+    }
+  }
+
+  [[nodiscard]] bool on_executor_thread() const noexcept {
+    return std::this_thread::get_id() == thread_id_.load(std::memory_order_acquire);
+  }
+
+  [[nodiscard]] executor_counters counters() const noexcept {
+    executor_counters c;
+    c.completions = completions_.load(std::memory_order_relaxed);
+    c.rounds = rounds_.load(std::memory_order_relaxed);
+    c.parks = parks_.load(std::memory_order_relaxed);
+    c.wakeups = wakeups_.load(std::memory_order_relaxed);
+    c.timers_fired = timers_fired_.load(std::memory_order_relaxed);
+    return c;
+  }
+
+  [[nodiscard]] const executor_options& options() const noexcept { return options_; }
+
+  [[nodiscard]] detail::timer_service& timers() noexcept { return timers_; }
+
+ private:
+  struct source_entry {
+    void* object = nullptr;
+    std::size_t (*poll)(void*, std::size_t) = nullptr;
+    bool (*arm)(void*) = nullptr;
+    int fd = -1;
+  };
+
+  static constexpr std::uint64_t wake_tag = 0;
+  static constexpr std::uint64_t source_tag = 1;
+
+  static void kick_timers(void* self) noexcept { static_cast<progress_executor*>(self)->notify(); }
+
+  void wake_thread() noexcept {
+    const std::uint64_t one = 1;
+    [[maybe_unused]] const ssize_t n = ::write(wake_fd_, &one, sizeof one);
+  }
+
+  void close_fds() noexcept {
+    if (epoll_fd_ >= 0) ::close(epoll_fd_);
+    if (wake_fd_ >= 0) ::close(wake_fd_);
+    epoll_fd_ = wake_fd_ = -1;
+  }
+
+  void pin() noexcept {
+    if (options_.cpu < 0) return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(options_.cpu, &set);
+    ::pthread_setaffinity_np(::pthread_self(), sizeof set, &set);
+  }
+
+  void run() {
+    thread_id_.store(std::this_thread::get_id(), std::memory_order_release);
+    ::pthread_setname_np(::pthread_self(), "ferry-progress");
+    pin();
+    std::uint64_t seen_generation = ~std::uint64_t{0};
+    std::uint64_t completions = 0;
+    detail::clock::time_point idle_since{};
+    bool idle = false;
+    std::uint64_t round = 0;
+    for (;;) {
+      // seq_cst store, then seq_cst load of generation_, against sync()'s seq_cst bump-then-read:
+      // if sync() read an older round number, this round sees the new source list.
+      rounds_.store(++round, std::memory_order_seq_cst);
+      if (stop_.load(std::memory_order_acquire)) break;
+      if (generation_.load(std::memory_order_seq_cst) != seen_generation) {
+        std::lock_guard lock(sources_mutex_);
+        round_sources_ = sources_;
+        seen_generation = generation_.load(std::memory_order_relaxed);
+      }
+      const std::size_t handled = poll_sources();
+      const std::size_t fired = fire_timers();
+      if (handled != 0) {
+        completions += handled;
+        completions_.store(completions, std::memory_order_relaxed);
+      }
+      if (handled != 0 || fired != 0) {
+        idle = false;
+        continue;
+      }
+      if (options_.mode == progress_mode::busy) {
+        detail::cpu_relax();
+        continue;
+      }
+      if (options_.mode == progress_mode::adaptive) {
+        const auto now = detail::clock::now();
+        if (!idle) {
+          idle = true;
+          idle_since = now;
+        }
+        if (now - idle_since < options_.spin_budget) {
+          detail::cpu_relax();
+          continue;
+        }
+      }
+      const std::size_t late = park();
+      if (late != 0) {
+        completions += late;
+        completions_.store(completions, std::memory_order_relaxed);
+      }
+      idle = false;
+    }
+    stopped_.store(true, std::memory_order_release);
+  }
+
+  std::size_t poll_sources() {
+    std::size_t handled = 0;
+    for (std::size_t i = 0; i < round_sources_.size(); ++i) {
+      const source_entry& e = round_sources_[i];
+      if (e.object != nullptr) handled += e.poll(e.object, options_.poll_budget);
+    }
+    return handled;
+  }
+
+  std::size_t fire_timers() noexcept {
+    if (timers_.empty()) return 0;
+    const std::size_t fired = timers_.fire_expired(detail::clock::now());
+    if (fired != 0) timers_fired_.fetch_add(fired, std::memory_order_relaxed);
+    return fired;
+  }
+
+  // Returns completions found by the last look before sleeping (then it does not sleep).
+  std::size_t park() {
+    parked_.store(true, std::memory_order_relaxed);
+    // Pairs with the fence in notify().
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    std::size_t late = poll_sources();
+    for (const source_entry& e : round_sources_) {
+      if (e.object != nullptr && e.arm != nullptr && !e.arm(e.object)) ++late;
+    }
+    if (late != 0 || stop_.load(std::memory_order_acquire) ||
+        timers_.next_deadline() <= detail::clock::now()) {
+      parked_.store(false, std::memory_order_relaxed);
+      return late;
+    }
+    timespec ts{};
+    timespec* tsp = nullptr;
+    if (!timers_.empty()) {
+      const auto left = timers_.next_deadline() - detail::clock::now();
+      const auto ns = std::max<std::int64_t>(
+          0, std::chrono::duration_cast<std::chrono::nanoseconds>(left).count());
+      ts.tv_sec = static_cast<time_t>(ns / 1'000'000'000);
+      ts.tv_nsec = static_cast<long>(ns % 1'000'000'000);
+      tsp = &ts;
+    }
+    epoll_event events[8];
+    const int n = ::epoll_pwait2(epoll_fd_, events, 8, tsp, nullptr);
+    parked_.store(false, std::memory_order_relaxed);
+    parks_.fetch_add(1, std::memory_order_relaxed);
+    for (int i = 0; i < n; ++i) {
+      if (events[i].data.u64 == wake_tag) {
+        std::uint64_t drained = 0;
+        [[maybe_unused]] const ssize_t r = ::read(wake_fd_, &drained, sizeof drained);
+      }
+    }
+    return 0;
+  }
+
+  executor_options options_;
+  detail::timer_service timers_;
+  int wake_fd_ = -1;
+  int epoll_fd_ = -1;
+
+  std::mutex sources_mutex_;
+  std::vector<source_entry> sources_;
+  std::atomic<std::uint64_t> generation_{0};
+  std::vector<source_entry> round_sources_;  // the executor thread's copy
+
+  alignas(64) std::atomic<bool> parked_{false};
+  alignas(64) std::atomic<std::uint64_t> rounds_{0};
+  std::atomic<std::uint64_t> completions_{0};
+  std::atomic<std::uint64_t> parks_{0};
+  std::atomic<std::uint64_t> wakeups_{0};
+  std::atomic<std::uint64_t> timers_fired_{0};
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> stopped_{false};
+  std::atomic<std::thread::id> thread_id_{};
+  std::thread thread_;
+};
+
+template <class Rep, class Period>
+[[nodiscard]] when_all_awaitable when_all(progress_executor& exec,
+                                          std::span<const transfer> members,
+                                          std::chrono::duration<Rep, Period> timeout) {
+  const detail::timeout t = detail::make_timeout(timeout);
+  return when_all_awaitable(members, t, t.is_bounded() ? &exec.timers() : nullptr);
+}
+
+}  // namespace ferry

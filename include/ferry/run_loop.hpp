@@ -1,0 +1,128 @@
+#pragma once
+// A scheduler that an engine thread drives: any thread posts, the owning thread runs.
+
+#include <atomic>
+#include <coroutine>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "ferry/detail/futex.hpp"
+
+namespace ferry {
+
+class run_loop {
+ public:
+  run_loop() = default;
+  run_loop(const run_loop&) = delete;
+  run_loop& operator=(const run_loop&) = delete;
+
+  // Any thread. Wakes the running thread only if it sleeps.
+  void post(std::coroutine_handle<> h) {
+    {
+      std::lock_guard lock(mutex_);
+      push(h);
+    }
+    // The sleeper registers under mutex_ before it checks the queue, so this load, made after our
+    // own lock was taken, sees it (see wait_for_work).
+    if (sleepers_.load(std::memory_order_acquire) != 0) signal();
+  }
+
+  // Runs posted work until stop(); the stop is consumed, so run() may be called again.
+  void run() {
+    while (run_one()) {
+    }
+  }
+
+  // Runs one posted item, sleeping until there is one. Returns false, without running anything, when
+  // stop() ends the wait (the stop is consumed).
+  bool run_one() {
+    for (;;) {
+      if (take_stop()) return false;
+      if (std::coroutine_handle<> h = pop(); h) {
+        h.resume();
+        return true;
+      }
+      wait_for_work();
+    }
+  }
+
+  // Runs what is ready now, never sleeping; returns how many items ran.
+  std::size_t poll() {
+    std::size_t ran = 0;
+    while (std::coroutine_handle<> h = pop()) {
+      h.resume();
+      ++ran;
+    }
+    return ran;
+  }
+
+  // Ends the current run() (or the next, if none is running). Any thread.
+  void stop() noexcept {
+    stop_.store(true, std::memory_order_release);
+    signal();
+  }
+
+  [[nodiscard]] std::size_t size() const {
+    std::lock_guard lock(mutex_);
+    return count_;
+  }
+
+ private:
+  bool take_stop() noexcept {
+    return stop_.load(std::memory_order_acquire) &&
+           stop_.exchange(false, std::memory_order_acq_rel);
+  }
+
+  void signal() noexcept {
+    epoch_.fetch_add(1, std::memory_order_release);
+    detail::futex_wake_all(epoch_);
+  }
+
+  void wait_for_work() {
+    const std::uint32_t epoch = epoch_.load(std::memory_order_acquire);
+    {
+      std::lock_guard lock(mutex_);
+      if (count_ != 0) return;
+      sleepers_.fetch_add(1, std::memory_order_relaxed);
+    }
+    // A post after our check bumps epoch_, so the futex returns at once instead of sleeping.
+    if (!stop_.load(std::memory_order_acquire)) detail::futex_wait(epoch_, epoch);
+    sleepers_.fetch_sub(1, std::memory_order_relaxed);
+  }
+
+  // A growable ring: no allocation once it has reached its working size.
+  void push(std::coroutine_handle<> h) {
+    if (count_ == ring_.size()) grow();
+    ring_[(head_ + count_) & (ring_.size() - 1)] = h;
+    ++count_;
+  }
+
+  std::coroutine_handle<> pop() {
+    std::lock_guard lock(mutex_);
+    if (count_ == 0) return {};
+    std::coroutine_handle<> h = ring_[head_];
+    head_ = (head_ + 1) & (ring_.size() - 1);
+    --count_;
+    return h;
+  }
+
+  void grow() {
+    std::vector<std::coroutine_handle<>> bigger(ring_.empty() ? 64 : ring_.size() * 2);
+    for (std::size_t i = 0; i < count_; ++i) bigger[i] = ring_[(head_ + i) & (ring_.size() - 1)];
+    ring_ = std::move(bigger);
+    head_ = 0;
+  }
+
+  mutable std::mutex mutex_;
+  std::vector<std::coroutine_handle<>> ring_;
+  std::size_t head_ = 0;
+  std::size_t count_ = 0;
+  std::atomic<std::uint32_t> sleepers_{0};
+  std::atomic<std::uint32_t> epoch_{0};
+  std::atomic<bool> stop_{false};
+};
+
+}  // namespace ferry

@@ -1,0 +1,216 @@
+#pragma once
+// Where a coroutine resumes. A scheduler is anything with post(std::coroutine_handle<>): a user's own
+// event loop qualifies as it is. A coroutine that awaits a ferry awaitable resumes on the scheduler its
+// promise names through get_scheduler(), or on the one given with resume_on(scheduler, awaitable).
+
+#include <concepts>
+#include <coroutine>
+#include <cstddef>
+#include <new>
+#include <type_traits>
+#include <utility>
+
+namespace ferry {
+
+template <class S>
+concept scheduler = requires(S& s, std::coroutine_handle<> h) { s.post(h); };
+
+// Resumes on the completing thread, which may be the progress executor's. Explicit opt-in only:
+// the continuation then runs inside the executor's loop and delays every other completion.
+struct inline_scheduler {
+  void post(std::coroutine_handle<> h) const { h.resume(); }
+};
+
+// A copyable, type-erased scheduler: either a small scheduler value held inline, or a reference to a
+// scheduler that outlives every coroutine using it.
+class any_scheduler {
+  struct ops {
+    void (*post)(const void* storage, std::coroutine_handle<> h);
+    void (*copy)(void* to, const void* from) noexcept;
+    void (*destroy)(void* storage) noexcept;
+  };
+
+  template <class S>
+  static constexpr ops value_ops{
+      [](const void* storage, std::coroutine_handle<> h) {
+        // Copy first: posting may resume the coroutine that owns `storage`, which may then free it.
+        S local(*static_cast<const S*>(storage));
+        local.post(h);
+      },
+      [](void* to, const void* from) noexcept { ::new (to) S(*static_cast<const S*>(from)); },
+      [](void* storage) noexcept { static_cast<S*>(storage)->~S(); },
+  };
+
+  template <class S>
+  static constexpr ops reference_ops{
+      [](const void* storage, std::coroutine_handle<> h) {
+        S* target = *static_cast<S* const*>(storage);
+        target->post(h);
+      },
+      [](void* to, const void* from) noexcept { ::new (to) S*(*static_cast<S* const*>(from)); },
+      [](void*) noexcept {},
+  };
+
+ public:
+  static constexpr std::size_t inline_capacity = 4 * sizeof(void*);
+
+  any_scheduler() noexcept = default;
+
+  // Holds a copy of `s`, like the standard's scheduler handles.
+  template <scheduler S>
+    requires(!std::same_as<std::remove_cvref_t<S>, any_scheduler>)
+  explicit any_scheduler(S s) noexcept {
+    static_assert(sizeof(S) <= inline_capacity && alignof(S) <= alignof(std::max_align_t),
+                  "ferry: a scheduler returned by value must fit in four pointers; return a "
+                  "reference from get_scheduler() instead");
+    static_assert(std::is_nothrow_copy_constructible_v<S>,
+                  "ferry: a scheduler returned by value must be nothrow copy-constructible");
+    ::new (static_cast<void*>(storage_)) S(std::move(s));
+    ops_ = &value_ops<S>;
+  }
+
+  // Refers to `s`, which must outlive every coroutine that resumes through it.
+  template <scheduler S>
+  [[nodiscard]] static any_scheduler reference(S& s) noexcept {
+    any_scheduler a;
+    S* p = &s;
+    ::new (static_cast<void*>(a.storage_)) S*(p);
+    a.ops_ = &reference_ops<S>;
+    return a;
+  }
+
+  any_scheduler(const any_scheduler& other) noexcept : ops_(other.ops_) {
+    if (ops_ != nullptr) ops_->copy(storage_, other.storage_);
+  }
+
+  any_scheduler& operator=(const any_scheduler& other) noexcept {
+    if (this != &other) {
+      reset();
+      ops_ = other.ops_;
+      if (ops_ != nullptr) ops_->copy(storage_, other.storage_);
+    }
+    return *this;
+  }
+
+  ~any_scheduler() { reset(); }
+
+  void post(std::coroutine_handle<> h) const { ops_->post(storage_, h); }
+
+  [[nodiscard]] explicit operator bool() const noexcept { return ops_ != nullptr; }
+
+ private:
+  void reset() noexcept {
+    if (ops_ != nullptr) ops_->destroy(storage_);
+    ops_ = nullptr;
+  }
+
+  const ops* ops_ = nullptr;
+  alignas(std::max_align_t) unsigned char storage_[inline_capacity]{};
+};
+
+namespace detail {
+
+template <class P>
+concept promise_with_scheduler = requires(P& p) {
+  { p.get_scheduler() };
+  requires scheduler<std::remove_cvref_t<decltype(p.get_scheduler())>>;
+};
+
+// The scheduler a promise names: a value is copied, an lvalue reference is referred to.
+template <promise_with_scheduler P>
+[[nodiscard]] any_scheduler scheduler_of(P& promise) noexcept {
+  using result = decltype(promise.get_scheduler());
+  using plain = std::remove_cvref_t<result>;
+  if constexpr (std::same_as<plain, any_scheduler>) {
+    return promise.get_scheduler();
+  } else if constexpr (std::is_lvalue_reference_v<result>) {
+    return any_scheduler::reference(const_cast<plain&>(promise.get_scheduler()));
+  } else {
+    return any_scheduler(promise.get_scheduler());
+  }
+}
+
+template <class>
+inline constexpr bool always_false = false;
+
+// Shared by every ferry awaiter: find the scheduler in the awaiting coroutine's promise, or fail to
+// compile with a message that says what to do.
+template <class Awaiter, class Promise>
+decltype(auto) suspend_on_promise_scheduler(Awaiter& awaiter, std::coroutine_handle<Promise> h) {
+  if constexpr (promise_with_scheduler<Promise>) {
+    return awaiter.await_suspend_on(h, scheduler_of(h.promise()));
+  } else {
+    static_assert(always_false<Promise>,
+                  "ferry: the awaiting coroutine's promise has no get_scheduler(), so ferry does not "
+                  "know where to resume it. Await inside ferry::task, give your promise a "
+                  "get_scheduler(), or write co_await ferry::resume_on(scheduler, awaitable).");
+    return false;
+  }
+}
+
+template <class A>
+concept has_member_co_await = requires(A&& a) { std::forward<A>(a).operator co_await(); };
+
+template <class A>
+decltype(auto) get_awaiter(A&& a) {
+  if constexpr (has_member_co_await<A>) {
+    return std::forward<A>(a).operator co_await();
+  } else {
+    return std::forward<A>(a);
+  }
+}
+
+// ferry's awaiters resume through a given scheduler when asked with await_suspend_on.
+template <class A>
+concept scheduled_awaiter = requires(A& a, std::coroutine_handle<> h, any_scheduler s) {
+  a.await_ready();
+  a.await_suspend_on(h, s);
+  a.await_resume();
+};
+
+}  // namespace detail
+
+// co_await resume_on(s, awaitable): awaits a ferry awaitable (a transfer, a when_all, a task) and
+// resumes on `s`, whatever the awaiting coroutine's promise says.
+template <scheduler S, class Awaitable>
+class resume_on_awaitable {
+  using stored = std::conditional_t<std::is_lvalue_reference_v<Awaitable>, Awaitable,
+                                    std::remove_cvref_t<Awaitable>>;
+  using inner_awaiter = std::remove_cvref_t<decltype(detail::get_awaiter(std::declval<stored>()))>;
+  static_assert(detail::scheduled_awaiter<inner_awaiter>,
+                "ferry::resume_on takes ferry awaitables: a transfer, when_all(...) or a task");
+
+ public:
+  resume_on_awaitable(S& s, Awaitable&& a)
+      : scheduler_(s), awaitable_(std::forward<Awaitable>(a)) {}
+
+  class awaiter {
+   public:
+    awaiter(S& s, stored& a)
+        : scheduler_(any_scheduler::reference(s)),
+          inner_(detail::get_awaiter(static_cast<stored&&>(a))) {}
+
+    bool await_ready() { return inner_.await_ready(); }
+    decltype(auto) await_suspend(std::coroutine_handle<> h) {
+      return inner_.await_suspend_on(h, scheduler_);
+    }
+    decltype(auto) await_resume() { return inner_.await_resume(); }
+
+   private:
+    any_scheduler scheduler_;
+    inner_awaiter inner_;
+  };
+
+  awaiter operator co_await() && { return awaiter(scheduler_, awaitable_); }
+
+ private:
+  S& scheduler_;
+  stored awaitable_;
+};
+
+template <scheduler S, class Awaitable>
+[[nodiscard]] resume_on_awaitable<S, Awaitable> resume_on(S& s, Awaitable&& awaitable) {
+  return resume_on_awaitable<S, Awaitable>(s, std::forward<Awaitable>(awaitable));
+}
+
+}  // namespace ferry

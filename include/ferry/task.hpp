@@ -1,0 +1,252 @@
+#pragma once
+// task<T>: a lazy coroutine that carries its scheduler. Awaited from another coroutine it inherits the
+// awaiting coroutine's scheduler; sync_wait runs one to completion on a run_loop.
+
+#include <coroutine>
+#include <exception>
+#include <optional>
+#include <type_traits>
+#include <utility>
+
+#include "ferry/run_loop.hpp"
+#include "ferry/scheduler.hpp"
+
+namespace ferry {
+
+template <class T = void>
+class task;
+
+namespace detail {
+
+class task_promise_base {
+ public:
+  // Awaiters inside the task copy this scheduler (see scheduler_of).
+  [[nodiscard]] any_scheduler& get_scheduler() noexcept { return scheduler_; }
+
+  std::suspend_always initial_suspend() noexcept { return {}; }
+
+  struct final_awaiter {
+    bool await_ready() noexcept { return false; }
+
+    template <class Promise>
+    std::coroutine_handle<> await_suspend(std::coroutine_handle<Promise> h) noexcept {
+      task_promise_base& p = h.promise();
+      if (!p.continuation_) return std::noop_coroutine();
+      if (p.post_continuation_) {
+        // resume_on asked for the awaiting coroutine to resume through the scheduler. Posting may
+        // resume it, and it may destroy this frame, at once: nothing touches `p` after this.
+        const any_scheduler s = p.scheduler_;
+        s.post(p.continuation_);
+        return std::noop_coroutine();
+      }
+      return p.continuation_;
+    }
+
+    void await_resume() noexcept {}
+  };
+
+  final_awaiter final_suspend() noexcept { return {}; }
+
+  void unhandled_exception() noexcept { error_ = std::current_exception(); }
+
+  void start(std::coroutine_handle<> continuation, any_scheduler s, bool post_continuation) noexcept {
+    continuation_ = continuation;
+    scheduler_ = std::move(s);
+    post_continuation_ = post_continuation;
+  }
+
+ protected:
+  void rethrow_if_failed() const {
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  any_scheduler scheduler_;
+  std::coroutine_handle<> continuation_;
+  bool post_continuation_ = false;
+  std::exception_ptr error_;
+};
+
+template <class T>
+class task_promise : public task_promise_base {
+ public:
+  task<T> get_return_object() noexcept;
+
+  template <class U>
+    requires std::convertible_to<U&&, T>
+  void return_value(U&& value) noexcept(std::is_nothrow_constructible_v<T, U&&>) {
+    value_.emplace(std::forward<U>(value));
+  }
+
+  T take() {
+    rethrow_if_failed();
+    return std::move(*value_);
+  }
+
+ private:
+  std::optional<T> value_;
+};
+
+template <>
+class task_promise<void> : public task_promise_base {
+ public:
+  task<void> get_return_object() noexcept;
+  void return_void() noexcept {}
+  void take() const { rethrow_if_failed(); }
+};
+
+}  // namespace detail
+
+template <class T>
+class [[nodiscard]] task {
+  static_assert(!std::is_reference_v<T>, "ferry::task<T&> is not supported; return a pointer");
+
+ public:
+  using promise_type = detail::task_promise<T>;
+  using handle_type = std::coroutine_handle<promise_type>;
+
+  task(task&& other) noexcept : handle_(std::exchange(other.handle_, {})) {}
+  task& operator=(task&& other) noexcept {
+    if (this != &other) {
+      destroy();
+      handle_ = std::exchange(other.handle_, {});
+    }
+    return *this;
+  }
+  task(const task&) = delete;
+  task& operator=(const task&) = delete;
+  ~task() { destroy(); }
+
+  class awaiter {
+   public:
+    explicit awaiter(handle_type h) noexcept : handle_(h) {}
+
+    bool await_ready() const noexcept { return !handle_ || handle_.done(); }
+
+    // Awaited from a coroutine with a scheduler: the task inherits it, starts inline and, when it
+    // finishes, transfers straight back to the awaiting coroutine.
+    template <class Promise>
+    std::coroutine_handle<> await_suspend(std::coroutine_handle<Promise> h) {
+      if constexpr (detail::promise_with_scheduler<Promise>) {
+        handle_.promise().start(h, detail::scheduler_of(h.promise()), false);
+        return handle_;
+      } else {
+        return detail::suspend_on_promise_scheduler(*this, h);
+      }
+    }
+
+    // Through resume_on: the task runs its awaits on `s`, and the awaiting coroutine resumes through
+    // `s` when the task finishes.
+    std::coroutine_handle<> await_suspend_on(std::coroutine_handle<> h, any_scheduler s) noexcept {
+      handle_.promise().start(h, std::move(s), true);
+      return handle_;
+    }
+
+    T await_resume() { return handle_.promise().take(); }
+
+   private:
+    handle_type handle_;
+  };
+
+  awaiter operator co_await() && noexcept { return awaiter(handle_); }
+
+  // For sync_wait and for users who start a task on a scheduler of their own.
+  [[nodiscard]] handle_type handle() const noexcept { return handle_; }
+
+ private:
+  friend promise_type;
+  explicit task(handle_type h) noexcept : handle_(h) {}
+
+  void destroy() noexcept {
+    if (handle_) std::exchange(handle_, {}).destroy();
+  }
+
+  handle_type handle_;
+};
+
+namespace detail {
+
+template <class T>
+task<T> task_promise<T>::get_return_object() noexcept {
+  return task<T>(std::coroutine_handle<task_promise<T>>::from_promise(*this));
+}
+
+inline task<void> task_promise<void>::get_return_object() noexcept {
+  return task<void>(std::coroutine_handle<task_promise<void>>::from_promise(*this));
+}
+
+// The coroutine sync_wait drives: it awaits the task on the loop and stops the loop when done.
+class sync_wait_driver {
+ public:
+  struct promise_type {
+    run_loop* loop = nullptr;
+    std::exception_ptr error;
+
+    run_loop& get_scheduler() noexcept { return *loop; }
+    sync_wait_driver get_return_object() noexcept {
+      return sync_wait_driver(std::coroutine_handle<promise_type>::from_promise(*this));
+    }
+    std::suspend_always initial_suspend() noexcept { return {}; }
+    auto final_suspend() noexcept {
+      struct stop_loop {
+        bool await_ready() noexcept { return false; }
+        void await_suspend(std::coroutine_handle<promise_type> h) noexcept {
+          h.promise().loop->stop();
+        }
+        void await_resume() noexcept {}
+      };
+      return stop_loop{};
+    }
+    void return_void() noexcept {}
+    void unhandled_exception() noexcept { error = std::current_exception(); }
+  };
+
+  sync_wait_driver(sync_wait_driver&& other) noexcept : handle_(std::exchange(other.handle_, {})) {}
+  sync_wait_driver(const sync_wait_driver&) = delete;
+  sync_wait_driver& operator=(const sync_wait_driver&) = delete;
+  ~sync_wait_driver() {
+    if (handle_) handle_.destroy();
+  }
+
+  void run_on(run_loop& loop) {
+    handle_.promise().loop = &loop;
+    loop.post(handle_);
+    loop.run();
+    if (handle_.promise().error) std::rethrow_exception(handle_.promise().error);
+  }
+
+ private:
+  explicit sync_wait_driver(std::coroutine_handle<promise_type> h) noexcept : handle_(h) {}
+  std::coroutine_handle<promise_type> handle_;
+};
+
+template <class T>
+sync_wait_driver drive(task<T>& t, std::optional<T>& out) {
+  out.emplace(co_await std::move(t));
+}
+
+inline sync_wait_driver drive(task<void>& t) { co_await std::move(t); }
+
+}  // namespace detail
+
+// Runs `t` to completion on `loop`, driven by the calling thread, and returns its value (or rethrows
+// its exception). Work other coroutines posted to `loop` meanwhile runs too.
+template <class T>
+T sync_wait(run_loop& loop, task<T> t) {
+  if constexpr (std::is_void_v<T>) {
+    detail::drive(t).run_on(loop);
+  } else {
+    std::optional<T> out;
+    detail::drive(t, out).run_on(loop);
+    return std::move(*out);
+  }
+}
+
+// Runs `t` to completion on a run_loop of its own on the calling thread.
+template <class T>
+T sync_wait(task<T> t) {
+  run_loop loop;
+  return sync_wait(loop, std::move(t));
+}
+
+}  // namespace ferry

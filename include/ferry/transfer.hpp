@@ -1,0 +1,220 @@
+#pragma once
+// transfer: the waiting side of one data movement; completer: the completing side. Both are cheap
+// copyable handles to one pooled status block.
+
+#include <chrono>
+#include <coroutine>
+#include <system_error>
+#include <utility>
+
+#include "ferry/detail/status_block.hpp"
+#include "ferry/detail/timeout.hpp"
+#include "ferry/errors.hpp"
+#include "ferry/scheduler.hpp"
+#include "ferry/transfer_state.hpp"
+
+namespace ferry {
+
+namespace detail {
+struct adopt_t {};
+inline constexpr adopt_t adopt{};
+}  // namespace detail
+
+// Awaits one transfer: yields its terminal state and resumes on the awaiting coroutine's scheduler.
+// An already-finished transfer does not suspend.
+class transfer_awaiter : private detail::waiter {
+ public:
+  explicit transfer_awaiter(detail::status_block* s) noexcept : status_(s) {}
+  transfer_awaiter(const transfer_awaiter&) = delete;
+  transfer_awaiter& operator=(const transfer_awaiter&) = delete;
+
+  ~transfer_awaiter() {
+    if (!holds_ref_) return;
+    // Normally the completion unlinked us before resuming the coroutine; only a coroutine destroyed
+    // while suspended here still has a linked node.
+    if (!notified_) status_->remove_waiter(this);
+    status_->release_transfer_ref();
+  }
+
+  [[nodiscard]] bool await_ready() const noexcept {
+    return status_ == nullptr || status_->state() != transfer_state::pending;
+  }
+
+  template <class Promise>
+  bool await_suspend(std::coroutine_handle<Promise> h) {
+    return detail::suspend_on_promise_scheduler(*this, h);
+  }
+
+  bool await_suspend_on(std::coroutine_handle<> h, any_scheduler s) noexcept {
+    continuation_ = h;
+    scheduler_ = std::move(s);
+    notify = &on_complete;
+    // Our own reference: await_resume and the destructor read the status even if the caller drops
+    // its last handle meanwhile.
+    status_->add_transfer_ref();
+    holds_ref_ = true;
+    // Once linked, a completion on another thread may resume the coroutine at once: nothing below
+    // touches *this.
+    return status_->add_waiter(this);
+  }
+
+  [[nodiscard]] transfer_state await_resume() const noexcept {
+    return status_ == nullptr ? transfer_state::failed : status_->state();
+  }
+
+ private:
+  static void on_complete(detail::waiter* w, const detail::completion_event&) noexcept {
+    auto* self = static_cast<transfer_awaiter*>(w);
+    self->notified_ = true;
+    // post() copies the scheduler before it makes the coroutine runnable: *self may be gone after.
+    self->scheduler_.post(self->continuation_);
+  }
+
+  detail::status_block* status_;
+  std::coroutine_handle<> continuation_;
+  any_scheduler scheduler_;
+  bool holds_ref_ = false;
+  bool notified_ = false;
+};
+
+class transfer {
+ public:
+  // An empty handle: state() is failed and error() is errc::empty_transfer.
+  transfer() noexcept = default;
+
+  transfer(detail::adopt_t, detail::status_block* s) noexcept : status_(s) {}
+
+  transfer(const transfer& other) noexcept : status_(other.status_) {
+    if (status_ != nullptr) status_->add_transfer_ref();
+  }
+  transfer(transfer&& other) noexcept : status_(std::exchange(other.status_, nullptr)) {}
+
+  transfer& operator=(const transfer& other) noexcept {
+    transfer(other).swap(*this);
+    return *this;
+  }
+  transfer& operator=(transfer&& other) noexcept {
+    transfer(std::move(other)).swap(*this);
+    return *this;
+  }
+
+  ~transfer() {
+    if (status_ != nullptr) status_->release_transfer_ref();
+  }
+
+  void swap(transfer& other) noexcept { std::swap(status_, other.status_); }
+
+  // One atomic load: never blocks, never drives progress.
+  [[nodiscard]] transfer_state state() const noexcept {
+    return status_ == nullptr ? transfer_state::failed : status_->state();
+  }
+
+  [[nodiscard]] bool done() const noexcept { return state() != transfer_state::pending; }
+
+  [[nodiscard]] bool valid() const noexcept { return status_ != nullptr; }
+
+  // Empty while pending or succeeded; the reason once failed or cancelled.
+  [[nodiscard]] std::error_code error() const noexcept {
+    return status_ == nullptr ? make_error_code(errc::empty_transfer) : status_->error();
+  }
+
+  // Blocks the calling thread until the transfer is terminal.
+  transfer_state wait() const noexcept {
+    return status_ == nullptr ? transfer_state::failed : status_->wait(nullptr);
+  }
+
+  // timeout < 0: until terminal; == 0: look once; > 0: up to timeout, then returns what it sees
+  // (pending if the transfer has not finished).
+  template <class Rep, class Period>
+  transfer_state wait_for(std::chrono::duration<Rep, Period> timeout) const noexcept {
+    if (status_ == nullptr) return transfer_state::failed;
+    const detail::timeout t = detail::make_timeout(timeout);
+    if (t.is_look()) return status_->state();
+    if (t.is_forever()) return status_->wait(nullptr);
+    const detail::clock::time_point deadline = t.deadline();
+    return status_->wait(&deadline);
+  }
+
+  [[nodiscard]] transfer_awaiter operator co_await() const noexcept {
+    return transfer_awaiter(status_);
+  }
+
+  // For backends and batch waits; users never need it.
+  [[nodiscard]] detail::status_block* status() const noexcept { return status_; }
+
+  friend bool operator==(const transfer& a, const transfer& b) noexcept {
+    return a.status_ == b.status_;
+  }
+
+ private:
+  detail::status_block* status_ = nullptr;
+};
+
+class completer {
+ public:
+  completer() noexcept = default;
+  completer(detail::adopt_t, detail::status_block* s) noexcept : status_(s) {}
+
+  completer(const completer& other) noexcept : status_(other.status_) {
+    if (status_ != nullptr) status_->add_completer_ref();
+  }
+  completer(completer&& other) noexcept : status_(std::exchange(other.status_, nullptr)) {}
+
+  completer& operator=(const completer& other) noexcept {
+    completer(other).swap(*this);
+    return *this;
+  }
+  completer& operator=(completer&& other) noexcept {
+    completer(std::move(other)).swap(*this);
+    return *this;
+  }
+
+  // The last completer of a transfer that never completed fails it with errc::abandoned.
+  ~completer() {
+    if (status_ != nullptr) status_->release_completer_ref();
+  }
+
+  void swap(completer& other) noexcept { std::swap(status_, other.status_); }
+
+  // The first terminal call wins; every later call returns false and changes nothing.
+  bool succeed() noexcept { return complete(transfer_state::success, {}); }
+
+  // An empty error_code is replaced by errc::unspecified_failure: a failed transfer always says why.
+  bool fail(std::error_code ec) noexcept { return complete(transfer_state::failed, ec); }
+
+  bool cancel() noexcept {
+    return complete(transfer_state::cancelled, make_error_code(errc::cancelled));
+  }
+
+  bool complete(transfer_state to, std::error_code ec) noexcept {
+    if (status_ == nullptr || to == transfer_state::pending) return false;
+    return status_->complete(to, ec);
+  }
+
+  [[nodiscard]] bool valid() const noexcept { return status_ != nullptr; }
+
+  // A handle on the same status, for backends that hand out the transfer after posting.
+  [[nodiscard]] transfer get_transfer() const noexcept {
+    if (status_ == nullptr) return {};
+    status_->add_transfer_ref();
+    return transfer(detail::adopt, status_);
+  }
+
+ private:
+  detail::status_block* status_ = nullptr;
+};
+
+// A pending transfer and the completer that ends it.
+[[nodiscard]] inline std::pair<transfer, completer> make_manual_transfer() {
+  detail::status_block* s = detail::status_block::make();
+  return {transfer(detail::adopt, s), completer(detail::adopt, s)};
+}
+
+// A transfer that is already terminal, for a backend that rejects a request before posting it.
+[[nodiscard]] inline transfer make_completed_transfer(transfer_state to, std::error_code ec = {}) {
+  auto [t, c] = make_manual_transfer();
+  c.complete(to, ec);
+  return std::move(t);
+}
+
+}  // namespace ferry

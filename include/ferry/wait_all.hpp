@@ -1,0 +1,89 @@
+#pragma once
+// Verdicts over a batch of transfers: poll_all looks, wait_all blocks with one shared deadline and
+// returns the moment any member fails, drain waits until every member is terminal.
+
+#include <chrono>
+#include <cstddef>
+#include <span>
+
+#include "ferry/batch_result.hpp"
+#include "ferry/detail/batch_join.hpp"
+#include "ferry/detail/timeout.hpp"
+#include "ferry/transfer.hpp"
+
+namespace ferry {
+
+// success iff every member succeeded; failed if any member failed or was cancelled, even with others
+// pending; otherwise pending. Empty: success. Never blocks, never drives progress.
+[[nodiscard]] inline batch_result poll_all(std::span<const transfer> members) noexcept {
+  batch_result r;
+  std::uint64_t first_sequence = 0;
+  for (std::size_t i = 0; i < members.size(); ++i) {
+    const transfer& t = members[i];
+    const transfer_state s = t.state();
+    if (s == transfer_state::success) continue;
+    if (s == transfer_state::pending) {
+      ++r.pending;
+      continue;
+    }
+    const detail::status_block* block = t.status();
+    const detail::completion_event ev =
+        block == nullptr
+            ? detail::completion_event{s, make_error_code(errc::empty_transfer), 0}
+            : block->event();
+    if (!r.first_failed || ev.sequence < first_sequence) {
+      r.first_failed = i;
+      r.error = ev.error;
+      first_sequence = ev.sequence;
+    }
+  }
+  r.verdict = r.first_failed ? verdict::failed
+              : r.pending != 0 ? verdict::pending
+                               : verdict::success;
+  return r;
+}
+
+namespace detail {
+
+[[nodiscard]] inline batch_result wait_batch(std::span<const transfer> members, timeout t,
+                                             batch_mode mode) {
+  batch_result r = poll_all(members);
+  const bool decided =
+      mode == batch_mode::short_circuit ? r.verdict != verdict::pending : r.pending == 0;
+  if (decided || t.is_look()) return r;
+  if (members.size() > max_batch_members) {
+    return {verdict::failed, std::nullopt, make_error_code(errc::batch_too_large),
+            members.size()};
+  }
+  const clock::time_point deadline = t.is_bounded() ? t.deadline() : clock::time_point{};
+  batch_join* join = batch_join::create(members.size(), mode);
+  join->deliver_to_sleeper();
+  if (!join->start(members, nullptr, deadline)) {
+    join->wait_blocking(t.is_bounded() ? &deadline : nullptr);
+  }
+  r = join->result();
+  join->finish();
+  return r;
+}
+
+}  // namespace detail
+
+// Blocks until the verdict: failed the moment any member fails (whatever its index), success when the
+// last member succeeds, timed_out when the one shared deadline passes with members pending and none
+// failed. timeout < 0: no deadline; == 0: exactly poll_all; > 0: up to that long.
+template <class Rep, class Period>
+[[nodiscard]] batch_result wait_all(std::span<const transfer> members,
+                                    std::chrono::duration<Rep, Period> timeout) {
+  return detail::wait_batch(members, detail::make_timeout(timeout),
+                            detail::batch_mode::short_circuit);
+}
+
+// Blocks until every member is terminal, failures included, so that every destination buffer is
+// quiescent; timed_out if the deadline passes first. The verdict is failed if any member failed.
+template <class Rep, class Period>
+[[nodiscard]] batch_result drain(std::span<const transfer> members,
+                                 std::chrono::duration<Rep, Period> timeout) {
+  return detail::wait_batch(members, detail::make_timeout(timeout), detail::batch_mode::drain);
+}
+
+}  // namespace ferry
