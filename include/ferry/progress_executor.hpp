@@ -361,10 +361,10 @@ class progress_executor {
       ts.tv_nsec = static_cast<long>(ns % 1'000'000'000);
       tsp = &ts;
     }
+    parks_.fetch_add(1, std::memory_order_relaxed);
     epoll_event events[8];
     const int n = ::epoll_pwait2(epoll_fd_, events, 8, tsp, nullptr);
     parked_.store(false, std::memory_order_relaxed);
-    parks_.fetch_add(1, std::memory_order_relaxed);
     for (int i = 0; i < n; ++i) {
       if (events[i].data.u64 == wake_tag) {
         std::uint64_t drained = 0;

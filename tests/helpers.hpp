@@ -1,0 +1,84 @@
+#pragma once
+// Shared by the tests: an engine thread driving a run_loop, a stopwatch, and thread identities.
+
+#include <atomic>
+#include <chrono>
+#include <coroutine>
+#include <functional>
+#include <thread>
+#include <type_traits>
+
+#include <ferry/ferry.hpp>
+
+namespace ferry_test {
+
+using namespace std::chrono_literals;
+using clock_type = std::chrono::steady_clock;
+
+// Generous bounds: "did not hang" and "did not wait for the deadline", never performance.
+inline constexpr auto hang_bound = std::chrono::seconds(10);
+
+inline double ms_since(clock_type::time_point start) {
+  return std::chrono::duration<double, std::milli>(clock_type::now() - start).count();
+}
+
+// A run_loop driven by its own thread, like an inference engine's scheduler thread.
+class engine_thread {
+ public:
+  engine_thread() : thread_([this] {
+    id_.store(std::this_thread::get_id());
+    loop_.run();
+  }) {
+    while (id_.load() == std::thread::id{}) std::this_thread::yield();
+  }
+  ~engine_thread() {
+    loop_.stop();
+    thread_.join();
+  }
+  ferry::run_loop& loop() { return loop_; }
+  std::thread::id id() const { return id_.load(); }
+
+ private:
+  ferry::run_loop loop_;
+  std::atomic<std::thread::id> id_{};
+  std::thread thread_;
+};
+
+// A fire-and-forget coroutine whose promise names a scheduler by reference.
+struct detached {
+  struct promise_type {
+    ferry::run_loop* loop = nullptr;
+    // The loop is the coroutine's first argument (after the closure, for a lambda).
+    template <class... Args>
+    promise_type(ferry::run_loop& l, Args&&...) : loop(&l) {}
+    template <class Closure, class... Args>
+      requires(!std::is_same_v<std::remove_cvref_t<Closure>, ferry::run_loop>)
+    promise_type(Closure&&, ferry::run_loop& l, Args&&...) : loop(&l) {}
+    ferry::run_loop& get_scheduler() noexcept { return *loop; }
+    detached get_return_object() noexcept { return {}; }
+    std::suspend_never initial_suspend() noexcept { return {}; }
+    std::suspend_never final_suspend() noexcept { return {}; }
+    void return_void() noexcept {}
+    void unhandled_exception() noexcept { std::terminate(); }
+  };
+};
+
+// co_await hop{loop}: continue on the loop's thread.
+struct hop {
+  ferry::run_loop& loop;
+  bool await_ready() const noexcept { return false; }
+  void await_suspend(std::coroutine_handle<> h) { loop.post(h); }
+  void await_resume() const noexcept {}
+};
+
+// Completes `c` from another thread after `delay`.
+inline std::thread complete_later(ferry::completer c, std::chrono::milliseconds delay,
+                                  ferry::transfer_state to = ferry::transfer_state::success,
+                                  std::error_code ec = {}) {
+  return std::thread([c, delay, to, ec]() mutable {
+    std::this_thread::sleep_for(delay);
+    c.complete(to, ec);
+  });
+}
+
+}  // namespace ferry_test

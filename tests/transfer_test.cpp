@@ -1,0 +1,215 @@
+// transfer and completer: the state machine, errors, blocking waits and handle lifetimes.
+
+#include <catch2/catch.hpp>
+
+#include <thread>
+#include <vector>
+
+#include <ferry/transfer.hpp>
+
+#include "helpers.hpp"
+
+using namespace ferry_test;
+using ferry::transfer_state;
+
+TEST_CASE("a new manual transfer is pending with no error", "[transfer]") {
+  auto [t, c] = ferry::make_manual_transfer();
+  CHECK(t.state() == transfer_state::pending);
+  CHECK_FALSE(t.done());
+  CHECK(t.valid());
+  CHECK_FALSE(t.error());
+}
+
+TEST_CASE("the first terminal call wins and later calls change nothing", "[transfer]") {
+  SECTION("succeed first") {
+    auto [t, c] = ferry::make_manual_transfer();
+    CHECK(c.succeed());
+    CHECK_FALSE(c.fail(std::make_error_code(std::errc::io_error)));
+    CHECK_FALSE(c.cancel());
+    CHECK_FALSE(c.succeed());
+    CHECK(t.state() == transfer_state::success);
+    CHECK_FALSE(t.error());
+  }
+  SECTION("fail first: a later success does not overwrite the error") {
+    auto [t, c] = ferry::make_manual_transfer();
+    CHECK(c.fail(std::make_error_code(std::errc::connection_reset)));
+    CHECK_FALSE(c.succeed());
+    CHECK_FALSE(c.cancel());
+    CHECK(t.state() == transfer_state::failed);
+    CHECK(t.error() == std::errc::connection_reset);
+  }
+  SECTION("cancel first") {
+    auto [t, c] = ferry::make_manual_transfer();
+    CHECK(c.cancel());
+    CHECK_FALSE(c.succeed());
+    CHECK(t.state() == transfer_state::cancelled);
+    CHECK(t.error() == ferry::errc::cancelled);
+  }
+  SECTION("a copy of the completer is refused too") {
+    auto [t, c] = ferry::make_manual_transfer();
+    ferry::completer c2 = c;
+    CHECK(c2.succeed());
+    CHECK_FALSE(c.fail(std::make_error_code(std::errc::io_error)));
+    CHECK(t.state() == transfer_state::success);
+  }
+}
+
+TEST_CASE("concurrent completers: exactly one wins", "[transfer][concurrency]") {
+  for (int round = 0; round < 2000; ++round) {
+    auto [t, c] = ferry::make_manual_transfer();
+    std::atomic<int> winners{0};
+    std::atomic<bool> go{false};
+    std::vector<std::thread> threads;
+    for (int i = 0; i < 3; ++i) {
+      threads.emplace_back([&, i, c = c]() mutable {
+        while (!go.load()) {
+        }
+        const bool won = i == 0   ? c.succeed()
+                         : i == 1 ? c.fail(std::make_error_code(std::errc::io_error))
+                                  : c.cancel();
+        if (won) winners.fetch_add(1);
+      });
+    }
+    go.store(true);
+    for (auto& th : threads) th.join();
+    REQUIRE(winners.load() == 1);
+    REQUIRE(t.done());
+    REQUIRE((t.state() == transfer_state::success) == !t.error());
+  }
+}
+
+TEST_CASE("a failure always carries an error code", "[transfer]") {
+  auto [t, c] = ferry::make_manual_transfer();
+  CHECK(c.fail(std::error_code{}));
+  CHECK(t.state() == transfer_state::failed);
+  CHECK(t.error() == ferry::errc::unspecified_failure);
+  CHECK_THAT(t.error().message(), Catch::Contains("empty error_code"));
+}
+
+TEST_CASE("an empty transfer handle reports a clear error and never blocks", "[transfer]") {
+  ferry::transfer t;
+  CHECK_FALSE(t.valid());
+  CHECK(t.state() == transfer_state::failed);
+  CHECK(t.done());
+  CHECK(t.error() == ferry::errc::empty_transfer);
+  CHECK(t.wait() == transfer_state::failed);
+  CHECK(t.wait_for(-1ms) == transfer_state::failed);
+  CHECK_THAT(t.error().message(), Catch::Contains("empty"));
+
+  auto [moved_from, c] = ferry::make_manual_transfer();
+  ferry::transfer taken = std::move(moved_from);
+  CHECK(moved_from.error() == ferry::errc::empty_transfer);  // NOLINT(bugprone-use-after-move)
+  CHECK(taken.state() == transfer_state::pending);
+}
+
+TEST_CASE("the last completer to go fails a pending transfer as abandoned", "[transfer]") {
+  ferry::transfer t;
+  {
+    auto [tt, c] = ferry::make_manual_transfer();
+    t = tt;
+    ferry::completer copy = c;
+  }
+  CHECK(t.state() == transfer_state::failed);
+  CHECK(t.error() == ferry::errc::abandoned);
+
+  ferry::transfer done;
+  {
+    auto [tt, c] = ferry::make_manual_transfer();
+    done = tt;
+    c.succeed();
+  }
+  CHECK(done.state() == transfer_state::success);
+}
+
+TEST_CASE("dropping every transfer handle of a pending transfer and completing it later is safe",
+          "[transfer][concurrency]") {
+  std::vector<ferry::completer> completers;
+  for (int i = 0; i < 1000; ++i) {
+    auto [t, c] = ferry::make_manual_transfer();
+    completers.push_back(std::move(c));
+  }
+  std::thread later([&] {
+    for (auto& c : completers) CHECK(c.succeed());
+  });
+  later.join();
+  completers.clear();
+}
+
+TEST_CASE("wait_for: zero looks once, negative waits forever, positive waits up to the timeout",
+          "[transfer][concurrency]") {
+  SECTION("zero never blocks") {
+    auto [t, c] = ferry::make_manual_transfer();
+    const auto start = clock_type::now();
+    CHECK(t.wait_for(0ms) == transfer_state::pending);
+    CHECK(ms_since(start) < 1000);
+  }
+  SECTION("done fast path: a finished transfer returns at once whatever the timeout") {
+    auto [t, c] = ferry::make_manual_transfer();
+    c.succeed();
+    const auto start = clock_type::now();
+    CHECK(t.wait_for(std::chrono::hours(1)) == transfer_state::success);
+    CHECK(t.wait_for(0ms) == transfer_state::success);
+    CHECK(t.wait() == transfer_state::success);
+    CHECK(ms_since(start) < 1000);
+  }
+  SECTION("a bounded wait returns pending near its deadline, and a later completion is seen") {
+    auto [t, c] = ferry::make_manual_transfer();
+    const auto start = clock_type::now();
+    CHECK(t.wait_for(50ms) == transfer_state::pending);
+    const double waited = ms_since(start);
+    CHECK(waited >= 50);
+    CHECK(waited < 5000);
+    c.succeed();
+    CHECK(t.state() == transfer_state::success);
+    CHECK(t.wait_for(0ms) == transfer_state::success);
+  }
+  SECTION("a tiny positive timeout waits rather than being rounded down to a look") {
+    auto [t, c] = ferry::make_manual_transfer();
+    const auto start = clock_type::now();
+    CHECK(t.wait_for(std::chrono::duration<double, std::milli>(20.4)) == transfer_state::pending);
+    CHECK(ms_since(start) >= 20);
+    CHECK(t.wait_for(std::chrono::duration<double>(1e-12)) == transfer_state::pending);
+  }
+  SECTION("an enormous timeout does not overflow into a look") {
+    auto [t, c] = ferry::make_manual_transfer();
+    auto th = complete_later(c, 20ms);
+    CHECK(t.wait_for(std::chrono::hours::max()) == transfer_state::success);
+    th.join();
+  }
+  SECTION("negative waits until the completion") {
+    auto [t, c] = ferry::make_manual_transfer();
+    auto th = complete_later(c, 30ms);
+    const auto start = clock_type::now();
+    CHECK(t.wait_for(-1ms) == transfer_state::success);
+    CHECK(ms_since(start) >= 25);
+    th.join();
+  }
+}
+
+TEST_CASE("a completion wakes a blocked waiter, and two waiters are both woken",
+          "[transfer][concurrency]") {
+  auto [t, c] = ferry::make_manual_transfer();
+  std::atomic<int> woken{0};
+  auto waiter = [&, t = t] {
+    CHECK(t.wait_for(hang_bound) == transfer_state::failed);
+    woken.fetch_add(1);
+  };
+  std::thread a(waiter);
+  std::thread b(waiter);
+  std::this_thread::sleep_for(20ms);
+  CHECK(woken.load() == 0);
+  const auto start = clock_type::now();
+  c.fail(std::make_error_code(std::errc::host_unreachable));
+  a.join();
+  b.join();
+  CHECK(woken.load() == 2);
+  CHECK(ms_since(start) < 5000);  // woken by the completion, not by the 10 s bound
+}
+
+TEST_CASE("make_completed_transfer gives a terminal transfer", "[transfer]") {
+  const ferry::transfer t = ferry::make_completed_transfer(transfer_state::failed,
+                                                           ferry::errc::destination_too_small);
+  CHECK(t.state() == transfer_state::failed);
+  CHECK(t.error() == ferry::errc::destination_too_small);
+  CHECK_THAT(t.error().message(), Catch::Contains("destination"));
+}

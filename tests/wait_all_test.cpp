@@ -1,0 +1,252 @@
+// poll_all, wait_all and drain: the verdict rules, the shared deadline, failure short-circuit.
+
+#include <catch2/catch.hpp>
+
+#include <thread>
+#include <vector>
+
+#include <ferry/wait_all.hpp>
+
+#include "helpers.hpp"
+
+using namespace ferry_test;
+using ferry::transfer_state;
+using ferry::verdict;
+
+namespace {
+
+struct batch {
+  std::vector<ferry::transfer> transfers;
+  std::vector<ferry::completer> completers;
+
+  explicit batch(std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i) {
+      auto [t, c] = ferry::make_manual_transfer();
+      transfers.push_back(std::move(t));
+      completers.push_back(std::move(c));
+    }
+  }
+};
+
+const std::error_code io_error = std::make_error_code(std::errc::io_error);
+
+}  // namespace
+
+TEST_CASE("poll_all: empty, mixed and failed spans", "[wait_all]") {
+  SECTION("empty is success") {
+    const auto r = ferry::poll_all({});
+    CHECK(r.verdict == verdict::success);
+    CHECK(r.pending == 0);
+    CHECK_FALSE(r.first_failed);
+  }
+  SECTION("all succeeded") {
+    batch b(3);
+    for (auto& c : b.completers) c.succeed();
+    CHECK(ferry::poll_all(b.transfers).verdict == verdict::success);
+  }
+  SECTION("some pending, none failed") {
+    batch b(3);
+    b.completers[1].succeed();
+    const auto r = ferry::poll_all(b.transfers);
+    CHECK(r.verdict == verdict::pending);
+    CHECK(r.pending == 2);
+  }
+  SECTION("failure wins over pending, whatever the order") {
+    batch failed_first(2);
+    failed_first.completers[0].fail(io_error);
+    const auto a = ferry::poll_all(failed_first.transfers);
+    CHECK(a.verdict == verdict::failed);
+    CHECK(a.first_failed == 0u);
+    CHECK(a.error == std::errc::io_error);
+    CHECK(a.pending == 1);
+
+    batch failed_last(2);
+    failed_last.completers[1].fail(io_error);
+    const auto b = ferry::poll_all(failed_last.transfers);
+    CHECK(b.verdict == verdict::failed);
+    CHECK(b.first_failed == 1u);
+  }
+  SECTION("a cancelled member fails the batch") {
+    batch b(2);
+    b.completers[0].succeed();
+    b.completers[1].cancel();
+    const auto r = ferry::poll_all(b.transfers);
+    CHECK(r.verdict == verdict::failed);
+    CHECK(r.first_failed == 1u);
+    CHECK(r.error == ferry::errc::cancelled);
+  }
+  SECTION("an empty handle in the batch fails it with a clear error") {
+    std::vector<ferry::transfer> v(2);
+    const auto r = ferry::poll_all(v);
+    CHECK(r.verdict == verdict::failed);
+    CHECK(r.error == ferry::errc::empty_transfer);
+  }
+  SECTION("poll_all changes no status") {
+    batch b(2);
+    (void)ferry::poll_all(b.transfers);
+    CHECK(b.transfers[0].state() == transfer_state::pending);
+    CHECK(b.completers[0].succeed());
+  }
+}
+
+TEST_CASE("the first failure in time is reported, not the lowest index", "[wait_all]") {
+  batch b(8);
+  b.completers[6].fail(std::make_error_code(std::errc::timed_out));
+  b.completers[2].fail(io_error);
+  b.completers[4].cancel();
+  const auto polled = ferry::poll_all(b.transfers);
+  CHECK(polled.first_failed == 6u);
+  CHECK(polled.error == std::errc::timed_out);
+  const auto waited = ferry::wait_all(b.transfers, 1s);
+  CHECK(waited.first_failed == 6u);
+  CHECK(waited.error == std::errc::timed_out);
+}
+
+TEST_CASE("wait_all: empty, all succeed, one failure, timeout", "[wait_all][concurrency]") {
+  SECTION("empty gives success at once, even with no deadline") {
+    CHECK(ferry::wait_all({}, -1ms).verdict == verdict::success);
+  }
+  SECTION("all succeed") {
+    batch b(4);
+    std::vector<std::thread> threads;
+    for (std::size_t i = 0; i < 4; ++i) {
+      threads.push_back(complete_later(b.completers[i], std::chrono::milliseconds(5 * i)));
+    }
+    const auto r = ferry::wait_all(b.transfers, hang_bound);
+    for (auto& th : threads) th.join();
+    CHECK(r.verdict == verdict::success);
+    CHECK(r.pending == 0);
+  }
+  SECTION("one failure ends the wait while the others are still pending") {
+    batch b(4);
+    auto th = complete_later(b.completers[2], 20ms, transfer_state::failed, io_error);
+    const auto start = clock_type::now();
+    const auto r = ferry::wait_all(b.transfers, hang_bound);
+    th.join();
+    CHECK(r.verdict == verdict::failed);
+    CHECK(r.first_failed == 2u);
+    CHECK(r.error == std::errc::io_error);
+    CHECK(r.pending == 3);
+    CHECK(ms_since(start) < 5000);
+  }
+  SECTION("timeout with members pending and none failed") {
+    batch b(3);
+    b.completers[0].succeed();
+    const auto start = clock_type::now();
+    const auto r = ferry::wait_all(b.transfers, 30ms);
+    CHECK(r.verdict == verdict::timed_out);
+    CHECK(r.pending == 2);
+    CHECK_FALSE(r.first_failed);
+    CHECK(ms_since(start) >= 30);
+  }
+  SECTION("zero timeout is exactly poll_all") {
+    batch b(2);
+    b.completers[0].succeed();
+    const auto r = ferry::wait_all(b.transfers, 0ms);
+    CHECK(r.verdict == verdict::pending);
+    CHECK(r.pending == 1);
+  }
+}
+
+TEST_CASE("wait_all shares one budget across members", "[wait_all][concurrency]") {
+  SECTION("members finishing at 40/80/120 ms fit in a 400 ms budget") {
+    batch b(3);
+    std::vector<std::thread> threads;
+    for (std::size_t i = 0; i < 3; ++i) {
+      threads.push_back(complete_later(b.completers[i], std::chrono::milliseconds(40 * (i + 1))));
+    }
+    const auto start = clock_type::now();
+    const auto r = ferry::wait_all(b.transfers, 400ms);
+    const double waited = ms_since(start);
+    for (auto& th : threads) th.join();
+    CHECK(r.verdict == verdict::success);
+    CHECK(waited >= 115);
+  }
+  SECTION("three members that never finish time out after one budget, not three") {
+    batch b(3);
+    const auto start = clock_type::now();
+    const auto r = ferry::wait_all(b.transfers, 100ms);
+    const double waited = ms_since(start);
+    CHECK(r.verdict == verdict::timed_out);
+    CHECK(r.pending == 3);
+    CHECK(waited >= 100);
+    CHECK(waited < 290);
+  }
+}
+
+TEST_CASE("a failure beats the timeout", "[wait_all][concurrency]") {
+  batch b(3);
+  b.completers[0].succeed();
+  auto th = complete_later(b.completers[1], 10ms, transfer_state::failed, io_error);
+  const auto r = ferry::wait_all(b.transfers, 2s);
+  th.join();
+  CHECK(r.verdict == verdict::failed);
+  CHECK(r.first_failed == 1u);
+
+  batch already(2);
+  already.completers[1].fail(io_error);
+  CHECK(ferry::wait_all(already.transfers, 1ns).verdict == verdict::failed);
+}
+
+TEST_CASE("a failure at the last index of 4096 pending members ends wait_all at once",
+          "[wait_all][concurrency]") {
+  batch b(4096);
+  auto th = complete_later(b.completers.back(), 20ms, transfer_state::failed, io_error);
+  const auto start = clock_type::now();
+  const auto r = ferry::wait_all(b.transfers, std::chrono::seconds(30));
+  const double waited = ms_since(start);
+  th.join();
+  CHECK(r.verdict == verdict::failed);
+  CHECK(r.first_failed == 4095u);
+  CHECK(r.pending == 4095);
+  CHECK(waited < 5000);  // not the 30 s deadline
+}
+
+TEST_CASE("completions after a verdict are harmless and the members keep running",
+          "[wait_all][concurrency]") {
+  batch b(16);
+  const auto r = ferry::wait_all(b.transfers, 5ms);
+  CHECK(r.verdict == verdict::timed_out);
+  for (auto& c : b.completers) CHECK(c.succeed());
+  CHECK(ferry::poll_all(b.transfers).verdict == verdict::success);
+  // Repeated timed waits on transfers that never finish do not grow without bound (each new
+  // registration sweeps the nodes of ended waits off the status): this runs in bounded memory.
+  batch stuck(4);
+  for (int i = 0; i < 2000; ++i) {
+    CHECK(ferry::wait_all(stuck.transfers, 1us).verdict == verdict::timed_out);
+  }
+}
+
+TEST_CASE("drain waits for every member, failures included", "[wait_all][concurrency]") {
+  SECTION("a failure does not end the drain early") {
+    batch b(3);
+    b.completers[0].fail(io_error);
+    auto th = complete_later(b.completers[2], 40ms);
+    std::thread th2([c = b.completers[1]]() mutable {
+      std::this_thread::sleep_for(20ms);
+      c.cancel();
+    });
+    const auto start = clock_type::now();
+    const auto r = ferry::drain(b.transfers, hang_bound);
+    th.join();
+    th2.join();
+    CHECK(ms_since(start) >= 35);
+    CHECK(r.verdict == verdict::failed);
+    CHECK(r.first_failed == 0u);
+    CHECK(r.pending == 0);
+    for (auto& t : b.transfers) CHECK(t.done());
+  }
+  SECTION("all succeed") {
+    batch b(2);
+    for (auto& c : b.completers) c.succeed();
+    CHECK(ferry::drain(b.transfers, 1s).verdict == verdict::success);
+  }
+  SECTION("the deadline passes first") {
+    batch b(2);
+    b.completers[0].fail(io_error);
+    const auto r = ferry::drain(b.transfers, 20ms);
+    CHECK(r.verdict == verdict::timed_out);
+    CHECK(r.pending == 1);
+    CHECK(r.first_failed == 0u);
+  }
+}
