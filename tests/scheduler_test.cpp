@@ -43,8 +43,10 @@ std::atomic<std::thread::id> user_task_thread{};
 
 user_task user_coroutine(ferry::run_loop& loop, ferry::transfer t, std::atomic<bool>&) {
   co_await hop{loop};
-  CHECK(co_await t == transfer_state::success);
-  user_task_thread.store(std::this_thread::get_id());
+  // Not `if (co_await t == ...)`: g++ 12 miscompiles a co_await inside an if/while/switch condition
+  // after an earlier suspension (README, "Compilers").
+  const transfer_state s = co_await t;
+  if (s == transfer_state::success) user_task_thread.store(std::this_thread::get_id());
 }
 
 // A coroutine with no scheduler at all: it may await ferry awaitables only through resume_on.
@@ -176,8 +178,7 @@ TEST_CASE("resume_on overrides the promise's scheduler for one await", "[schedul
      std::atomic<std::thread::id>& where, std::atomic<bool>& fin) -> detached {
     co_await hop{la};
     const auto r = co_await ferry::resume_on(lb, ferry::when_all(v, std::chrono::seconds(10)));
-    CHECK(r.ok());
-    where.store(std::this_thread::get_id());
+    if (r.ok()) where.store(std::this_thread::get_id());
     fin.store(true);
   }(a.loop(), b.loop(), ts, after_batch, done);
   std::this_thread::sleep_for(5ms);

@@ -128,10 +128,12 @@ TEST_CASE("dropping every transfer handle of a pending transfer and completing i
     auto [t, c] = ferry::make_manual_transfer();
     completers.push_back(std::move(c));
   }
+  std::atomic<int> accepted{0};
   std::thread later([&] {
-    for (auto& c : completers) CHECK(c.succeed());
+    for (auto& c : completers) accepted.fetch_add(c.succeed() ? 1 : 0);
   });
   later.join();
+  CHECK(accepted.load() == 1000);
   completers.clear();
 }
 
@@ -190,9 +192,9 @@ TEST_CASE("a completion wakes a blocked waiter, and two waiters are both woken",
           "[transfer][concurrency]") {
   auto [t, c] = ferry::make_manual_transfer();
   std::atomic<int> woken{0};
+  // Catch2 assertions are main-thread only: the waiters count what they saw.
   auto waiter = [&, t = t] {
-    CHECK(t.wait_for(hang_bound) == transfer_state::failed);
-    woken.fetch_add(1);
+    if (t.wait_for(hang_bound) == transfer_state::failed) woken.fetch_add(1);
   };
   std::thread a(waiter);
   std::thread b(waiter);

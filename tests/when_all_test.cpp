@@ -107,14 +107,16 @@ TEST_CASE("a coroutine resumes on its own scheduler's thread exactly once, never
       seen.resumes.fetch_add(1);
       seen.thread.store(std::this_thread::get_id());
       seen.result = r;
-      // A single transfer, too.
-      CHECK(co_await ts[0] == transfer_state::success);
-      CHECK(std::this_thread::get_id() == engine.id());
+      // A single transfer, too (awaited outside the condition: see README, "Compilers").
+      const transfer_state single = co_await ts[0];
+      if (single == transfer_state::success && std::this_thread::get_id() == engine.id()) {
+        seen.resumes.fetch_add(100);
+      }
       seen.finished.store(true);
     };
     start(engine.loop());
     REQUIRE(wait_until([&] { return seen.finished.load(); }));
-    CHECK(seen.resumes.load() == 1);
+    CHECK(seen.resumes.load() == 101);
     CHECK(seen.thread.load() == engine.id());
     REQUIRE(seen.result);
     CHECK(seen.result->verdict == verdict::success);

@@ -278,12 +278,13 @@ class fault_injector {
   }
 
   void finish(record* r, fate f) noexcept {
+    // Counted first, so that whoever sees the outer transfer end also sees the count.
     if (f == fate::fail) {
-      r->outer.fail(profile_.error);
       count(&fault_counters::failed);
+      r->outer.fail(profile_.error);
     } else {
-      r->outer.complete(r->inner.state(), r->inner.error());
       count(&fault_counters::forwarded);
+      r->outer.complete(r->inner.state(), r->inner.error());
     }
     delete r;
   }

@@ -197,7 +197,7 @@ class progress_executor {
   void notify() noexcept {
     // Pairs with the fence in park(): either the parking thread's last poll sees the work queued
     // before this fence, or this load sees that it announced sleep.
-    std::atomic_thread_fence(std::memory_order_seq_cst);
+    detail::full_barrier();
     if (parked_.load(std::memory_order_relaxed) &&
         parked_.exchange(false, std::memory_order_acq_rel)) {
       wakeups_.fetch_add(1, std::memory_order_relaxed);
@@ -341,7 +341,7 @@ class progress_executor {
   std::size_t park() {
     parked_.store(true, std::memory_order_relaxed);
     // Pairs with the fence in notify().
-    std::atomic_thread_fence(std::memory_order_seq_cst);
+    detail::full_barrier();
     std::size_t late = poll_sources();
     for (const source_entry& e : round_sources_) {
       if (e.object != nullptr && e.arm != nullptr && !e.arm(e.object)) ++late;
