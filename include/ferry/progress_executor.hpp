@@ -386,7 +386,7 @@ class progress_executor {
 
   alignas(64) std::atomic<bool> parked_{false};
   alignas(64) std::atomic<std::uint64_t> rounds_{0};
-  std::atomic<std::uint64_t> completions_{0};
+  alignas(64) std::atomic<std::uint64_t> completions_{0};
   std::atomic<std::uint64_t> parks_{0};
   std::atomic<std::uint64_t> wakeups_{0};
   std::atomic<std::uint64_t> timers_fired_{0};

@@ -22,22 +22,28 @@ inline constexpr adopt_t adopt{};
 
 // Awaits one transfer: yields its terminal state and resumes on the awaiting coroutine's scheduler.
 // An already-finished transfer does not suspend.
+//
+// The awaiter holds no reference of its own: while its node is linked the status is pending, and a
+// pending status is kept alive by its completers (the last of which completes it, and so notifies
+// us, before it lets go). Once notified, the awaiter reads only what the notification handed it.
 class transfer_awaiter : private detail::waiter {
  public:
   explicit transfer_awaiter(detail::status_block* s) noexcept : status_(s) {}
   transfer_awaiter(const transfer_awaiter&) = delete;
   transfer_awaiter& operator=(const transfer_awaiter&) = delete;
 
+  // Only a coroutine destroyed while suspended here still has a linked node.
   ~transfer_awaiter() {
-    if (!holds_ref_) return;
-    // Normally the completion unlinked us before resuming the coroutine; only a coroutine destroyed
-    // while suspended here still has a linked node.
-    if (!notified_) status_->remove_waiter(this);
-    status_->release_transfer_ref();
+    if (suspended_ && !notified_) status_->remove_waiter(this);
   }
 
-  [[nodiscard]] bool await_ready() const noexcept {
-    return status_ == nullptr || status_->state() != transfer_state::pending;
+  [[nodiscard]] bool await_ready() noexcept {
+    if (status_ == nullptr) {
+      result_ = transfer_state::failed;
+      return true;
+    }
+    result_ = status_->state();
+    return result_ != transfer_state::pending;
   }
 
   template <class Promise>
@@ -49,22 +55,21 @@ class transfer_awaiter : private detail::waiter {
     continuation_ = h;
     scheduler_ = std::move(s);
     notify = &on_complete;
-    // Our own reference: await_resume and the destructor read the status even if the caller drops
-    // its last handle meanwhile.
-    status_->add_transfer_ref();
-    holds_ref_ = true;
-    // Once linked, a completion on another thread may resume the coroutine at once: nothing below
-    // touches *this.
-    return status_->add_waiter(this);
+    suspended_ = true;
+    // Once linked, a completion on another thread may resume the coroutine at once: nothing after
+    // add_waiter touches *this.
+    if (status_->add_waiter(this)) return true;
+    suspended_ = false;
+    result_ = status_->state();
+    return false;
   }
 
-  [[nodiscard]] transfer_state await_resume() const noexcept {
-    return status_ == nullptr ? transfer_state::failed : status_->state();
-  }
+  [[nodiscard]] transfer_state await_resume() const noexcept { return result_; }
 
  private:
-  static void on_complete(detail::waiter* w, const detail::completion_event&) noexcept {
+  static void on_complete(detail::waiter* w, const detail::completion_event& ev) noexcept {
     auto* self = static_cast<transfer_awaiter*>(w);
+    self->result_ = ev.state;
     self->notified_ = true;
     // post() copies the scheduler before it makes the coroutine runnable: *self may be gone after.
     self->scheduler_.post(self->continuation_);
@@ -73,7 +78,8 @@ class transfer_awaiter : private detail::waiter {
   detail::status_block* status_;
   std::coroutine_handle<> continuation_;
   any_scheduler scheduler_;
-  bool holds_ref_ = false;
+  transfer_state result_ = transfer_state::pending;
+  bool suspended_ = false;
   bool notified_ = false;
 };
 

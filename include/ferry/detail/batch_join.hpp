@@ -13,6 +13,7 @@
 // waiting coroutine's frame or the waiting thread's stack, and the verdict path never has to unlink N
 // nodes before it returns: the short-circuit costs the same for 1 member and for 65536.
 
+#include <algorithm>
 #include <atomic>
 #include <coroutine>
 #include <cstddef>
@@ -23,6 +24,7 @@
 #include <span>
 
 #include "ferry/batch_result.hpp"
+#include "ferry/detail/block_pool.hpp"
 #include "ferry/detail/futex.hpp"
 #include "ferry/detail/status_block.hpp"
 #include "ferry/detail/timer_service.hpp"
@@ -42,11 +44,9 @@ class batch_join : private timer_node {
   // Delivers a verdict decided by another thread: posts the coroutine, or wakes the blocked thread.
   using deliver_fn = void (*)(batch_join*) noexcept;
 
-  // Throws std::bad_alloc.
-  [[nodiscard]] static batch_join* create(std::size_t members, batch_mode mode) {
-    void* raw = ::operator new(sizeof(batch_join) + members * sizeof(waiter));
-    return ::new (raw) batch_join(members, mode);
-  }
+  // Throws std::bad_alloc. Joins of up to 2048 members come from pools, so a steady stream of batch
+  // waits allocates nothing.
+  [[nodiscard]] static batch_join* create(std::size_t members, batch_mode mode);
 
   batch_join(const batch_join&) = delete;
   batch_join& operator=(const batch_join&) = delete;
@@ -137,8 +137,8 @@ class batch_join : private timer_node {
   static constexpr std::uint64_t timed_out = std::uint64_t{1} << 62;
   static constexpr std::uint64_t claimed = std::uint64_t{1} << 63;
 
-  batch_join(std::size_t members, batch_mode mode) noexcept
-      : word_(members + 1), mode_(mode) {}
+  batch_join(std::size_t members, batch_mode mode, std::uint8_t size_class) noexcept
+      : word_(members + 1), mode_(mode), size_class_(size_class) {}
 
   ~batch_join() = default;
 
@@ -246,18 +246,14 @@ class batch_join : private timer_node {
     futex_wake_all(self->done_);
   }
 
-  void release() noexcept {
-    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      this->~batch_join();
-      ::operator delete(static_cast<void*>(this));
-    }
-  }
+  void release() noexcept;
 
   std::atomic<std::uint64_t> word_;
   std::atomic<std::size_t> refs_{1};  // the waiting side, linked members, the armed timer
   std::atomic<std::uint32_t> done_{0};  // futex word for a blocked waiter
   std::atomic<bool> failure_lock_{false};
   batch_mode mode_;
+  std::uint8_t size_class_;
   std::optional<std::size_t> first_failed_;
   std::uint64_t first_sequence_ = 0;
   std::error_code first_error_;
@@ -270,5 +266,71 @@ class batch_join : private timer_node {
 
 static_assert(alignof(batch_join) >= alignof(waiter));
 static_assert(sizeof(batch_join) % alignof(waiter) == 0);
+
+// Pooled storage for joins, in size classes by member count.
+template <std::size_t Members>
+struct join_storage {
+  static constexpr std::size_t members = Members;
+  static constexpr std::size_t poisonable_bytes = sizeof(batch_join) + Members * sizeof(waiter);
+  alignas(batch_join) unsigned char bytes[poisonable_bytes];
+  join_storage* pool_next_ = nullptr;
+};
+
+// A class's thread caches hold at most two chains of about 64 KiB; slabs are about 256 KiB.
+template <std::size_t Members>
+using join_pool = block_pool<
+    join_storage<Members>,
+    std::clamp<std::size_t>(65536 / sizeof(join_storage<Members>), 1, 64),
+    std::clamp<std::size_t>(262144 / sizeof(join_storage<Members>), 2, 256)>;
+
+inline constexpr std::uint8_t unpooled_join = 0xff;
+
+template <std::size_t... Members>
+struct join_classes {
+  static constexpr std::size_t capacity[] = {Members...};
+
+  static void* allocate(std::size_t members, std::uint8_t& size_class) {
+    std::uint8_t i = 0;
+    void* p = nullptr;
+    ((p == nullptr && members <= Members
+          ? (p = join_pool<Members>::acquire()->bytes, size_class = i, true)
+          : (++i, false)) ||
+     ...);
+    if (p != nullptr) return p;
+    size_class = unpooled_join;
+    return ::operator new(sizeof(batch_join) + members * sizeof(waiter),
+                          std::align_val_t{alignof(batch_join)});
+  }
+
+  static void deallocate(void* p, std::uint8_t size_class) noexcept {
+    if (size_class == unpooled_join) {
+      ::operator delete(p, std::align_val_t{alignof(batch_join)});
+      return;
+    }
+    std::uint8_t i = 0;
+    ((i++ == size_class
+          ? (join_pool<Members>::release(
+                 reinterpret_cast<join_storage<Members>*>(static_cast<unsigned char*>(p))),
+             true)
+          : false) ||
+     ...);
+  }
+};
+
+using join_memory = join_classes<8, 32, 128, 512, 2048>;
+
+inline batch_join* batch_join::create(std::size_t members, batch_mode mode) {
+  std::uint8_t size_class = unpooled_join;
+  void* raw = join_memory::allocate(members, size_class);
+  return ::new (raw) batch_join(members, mode, size_class);
+}
+
+inline void batch_join::release() noexcept {
+  if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    const std::uint8_t size_class = size_class_;
+    this->~batch_join();
+    join_memory::deallocate(static_cast<void*>(this), size_class);
+  }
+}
 
 }  // namespace ferry::detail

@@ -81,14 +81,7 @@ class alignas(64) status_block {
 
   // The first terminal call wins; later ones return false and change nothing.
   bool complete(transfer_state to, std::error_code ec) noexcept {
-    // Cheap refusal without the lock; also keeps a continuation resumed inline from deadlocking
-    // when it completes this status again.
-    if ((word_.load(std::memory_order_acquire) & state_mask) != 0) return false;
-    const std::uint32_t seen = lock();
-    if ((seen & state_mask) != 0) {
-      unlock();
-      return false;
-    }
+    if (!lock_pending()) return false;
     if (to != transfer_state::success) {
       if (!ec) ec = make_error_code(to == transfer_state::cancelled ? errc::cancelled
                                                                     : errc::unspecified_failure);
@@ -97,14 +90,16 @@ class alignas(64) status_block {
       ec = {};
     }
     error_ = ec;
-    // Publish while still holding the lock: any waiter linked from now on would be lost, and the
-    // lock keeps registration out. fetch_or keeps a sleepers bit set concurrently by wait().
-    word_.fetch_or(static_cast<std::uint32_t>(to), std::memory_order_release);
+    // Take the whole list while registration is locked out: from here on it is ours alone.
     waiter* list = head_;
     head_ = tail_ = nullptr;
     for (waiter* w = list; w != nullptr; w = w->next) w->linked = false;
-    const std::uint32_t before_unlock = word_.fetch_and(~lock_bit, std::memory_order_release);
-    if ((before_unlock & sleepers_bit) != 0) futex_wake_all(word_);
+    // Publish and unlock in one RMW: the state bits are zero and the lock bit is set, so XOR sets
+    // the one and clears the other, keeping a sleepers bit that wait() may have set meanwhile.
+    // Release pairs with the acquire in state(): a terminal state carries error_ and sequence_.
+    const std::uint32_t before =
+        word_.fetch_xor(lock_bit | static_cast<std::uint32_t>(to), std::memory_order_release);
+    if ((before & sleepers_bit) != 0) futex_wake_all(word_);
 
     // Outside the lock. Each waiter's owner keeps it alive until notified (a suspended coroutine,
     // or a batch join that holds a reference per linked member); read `next` before notifying
@@ -120,12 +115,7 @@ class alignas(64) status_block {
 
   // Links `w` unless the status is already terminal (returns false: nothing was linked).
   [[nodiscard]] bool add_waiter(waiter* w) noexcept {
-    if (state() != transfer_state::pending) return false;
-    const std::uint32_t seen = lock();
-    if ((seen & state_mask) != 0) {
-      unlock();
-      return false;
-    }
+    if (!lock_pending()) return false;
     waiter* swept = sweep_expired();
     w->next = nullptr;
     w->prev = tail_;
@@ -194,6 +184,29 @@ class alignas(64) status_block {
 
  private:
   friend class block_pool<status_block>;
+
+  // Takes the lock if the status is still pending; false (not locked) once it is terminal. The
+  // common case, pending with nobody asleep, is one CAS.
+  bool lock_pending() noexcept {
+    std::uint32_t v = 0;
+    if (word_.compare_exchange_strong(v, lock_bit, std::memory_order_acquire,
+                                      std::memory_order_relaxed)) {
+      return true;
+    }
+    for (;;) {
+      // Terminal: callers that go on to read the result do so through state(), an acquire load.
+      if ((v & state_mask) != 0) return false;
+      if ((v & lock_bit) == 0 &&
+          word_.compare_exchange_weak(v, v | lock_bit, std::memory_order_acquire,
+                                      std::memory_order_relaxed)) {
+        return true;
+      }
+      if ((v & lock_bit) != 0) {
+        cpu_relax();
+        v = word_.load(std::memory_order_relaxed);
+      }
+    }
+  }
 
   std::uint32_t lock() noexcept {
     std::uint32_t v = word_.load(std::memory_order_relaxed);

@@ -1,0 +1,13 @@
+#pragma once
+
+namespace ferry_bench {
+
+struct options {
+  bool quick = false;
+};
+
+void run_latency(const options& opt);
+void run_when_all(const options& opt);
+void run_throughput(const options& opt);
+
+}  // namespace ferry_bench

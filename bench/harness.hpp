@@ -1,0 +1,81 @@
+#pragma once
+// A small benchmark harness: latency samples with medians and tails, a table printer, and targets
+// that are reported (never asserted) as ratios against baselines measured in the same run.
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace ferry_bench {
+
+using bench_clock = std::chrono::steady_clock;
+
+inline std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             bench_clock::now().time_since_epoch())
+      .count();
+}
+
+struct summary {
+  double p50 = 0;
+  double p99 = 0;
+  double min = 0;
+  double max = 0;
+  std::size_t samples = 0;
+};
+
+inline summary summarize(std::vector<double> v) {
+  summary s;
+  if (v.empty()) return s;
+  std::sort(v.begin(), v.end());
+  const auto at = [&](double q) {
+    return v[std::min(v.size() - 1, static_cast<std::size_t>(q * static_cast<double>(v.size())))];
+  };
+  s.p50 = at(0.50);
+  s.p99 = at(0.99);
+  s.min = v.front();
+  s.max = v.back();
+  s.samples = v.size();
+  return s;
+}
+
+inline std::string human_ns(double ns) {
+  char buf[32];
+  if (ns < 1e3) {
+    std::snprintf(buf, sizeof buf, "%.0f ns", ns);
+  } else if (ns < 1e6) {
+    std::snprintf(buf, sizeof buf, "%.1f us", ns / 1e3);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.2f ms", ns / 1e6);
+  }
+  return buf;
+}
+
+// A target line: measured against what it must reach, printed as MET or MISSED.
+struct target {
+  std::string what;
+  std::string measured;
+  bool met = false;
+};
+
+inline std::vector<target>& targets() {
+  static std::vector<target> all;
+  return all;
+}
+
+inline void report_target(std::string what, std::string measured, bool met) {
+  targets().push_back({std::move(what), std::move(measured), met});
+}
+
+// Spin-wait helper for handshakes between benchmark threads.
+inline void spin_until(const std::atomic<bool>& flag) {
+  while (!flag.load(std::memory_order_acquire)) {
+  }
+}
+
+}  // namespace ferry_bench

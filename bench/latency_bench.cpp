@@ -1,0 +1,281 @@
+// Completion -> resume latency: from the moment a completing thread ends a transfer to the moment the
+// waiting side runs again, for ferry's co_await and blocking wait and for the ways engines wait today.
+
+#include <atomic>
+#include <condition_variable>
+#include <coroutine>
+#include <cstdio>
+#include <functional>
+#include <future>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <ferry/ferry.hpp>
+
+#include "bench.hpp"
+#include "harness.hpp"
+
+namespace ferry_bench {
+namespace {
+
+void pin_to(unsigned cpu) {
+  if (std::thread::hardware_concurrency() < 2) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu % std::thread::hardware_concurrency(), &set);
+  ::pthread_setaffinity_np(::pthread_self(), sizeof set, &set);
+}
+
+// A user's own spinning scheduler: one slot, polled in a tight loop by its thread.
+class spinning_scheduler {
+ public:
+  void post(std::coroutine_handle<> h) noexcept { slot_.store(h.address(), std::memory_order_release); }
+
+  // Runs posted continuations until `stop` is set.
+  void run(const std::atomic<bool>& stop) {
+    while (!stop.load(std::memory_order_acquire)) {
+      void* p = slot_.exchange(nullptr, std::memory_order_acquire);
+      if (p != nullptr) std::coroutine_handle<>::from_address(p).resume();
+    }
+  }
+
+ private:
+  std::atomic<void*> slot_{nullptr};
+};
+
+// One iteration's handshake between the completing thread and the waiting thread.
+struct handshake {
+  std::atomic<bool> armed{false};
+  std::atomic<bool> waiting{false};
+  std::atomic<bool> done{false};
+  std::atomic<std::int64_t> t0{0};
+};
+
+void busy_wait_ns(std::int64_t ns) {
+  const std::int64_t until = now_ns() + ns;
+  while (now_ns() < until) {
+  }
+}
+
+// Runs `iterations` rounds: the waiter side calls wait_side(i) (which must set h.waiting just before it
+// blocks, and return the latency it measured); the completer side sleeps a little once the waiter is
+// blocked, stamps t0 and calls complete(i).
+template <class Prepare, class Wait, class Complete>
+std::vector<double> measure(int iterations, Prepare prepare, Wait wait_side, Complete complete) {
+  std::vector<double> samples;
+  samples.reserve(static_cast<std::size_t>(iterations));
+  handshake h;
+  std::atomic<bool> stop{false};
+  std::thread waiter([&] {
+    pin_to(1);
+    for (int i = 0; i < iterations; ++i) {
+      spin_until(h.armed);
+      h.armed.store(false, std::memory_order_relaxed);
+      samples.push_back(wait_side(h));
+      h.done.store(true, std::memory_order_release);
+    }
+    (void)stop;
+  });
+  pin_to(0);
+  for (int i = 0; i < iterations; ++i) {
+    prepare();
+    h.done.store(false, std::memory_order_relaxed);
+    h.waiting.store(false, std::memory_order_relaxed);
+    h.armed.store(true, std::memory_order_release);
+    spin_until(h.waiting);
+    busy_wait_ns(30'000);  // let the waiter block for real
+    h.t0.store(now_ns(), std::memory_order_release);
+    complete();
+    spin_until(h.done);
+  }
+  waiter.join();
+  return samples;
+}
+
+double since(const handshake& h) {
+  return static_cast<double>(now_ns() - h.t0.load(std::memory_order_acquire));
+}
+
+// A mori-io style status: a mutex, a condition variable and a flag, waited on by the engine thread.
+struct cv_status {
+  std::mutex m;
+  std::condition_variable cv;
+  bool done = false;
+};
+
+struct coroutine_runner {
+  struct promise_type {
+    spinning_scheduler* sched;
+    template <class... Rest>
+    promise_type(spinning_scheduler& s, Rest&&...) : sched(&s) {}
+    spinning_scheduler& get_scheduler() noexcept { return *sched; }
+    coroutine_runner get_return_object() noexcept { return {}; }
+    std::suspend_never initial_suspend() noexcept { return {}; }
+    std::suspend_never final_suspend() noexcept { return {}; }
+    void return_void() noexcept {}
+    void unhandled_exception() noexcept { std::terminate(); }
+  };
+};
+
+coroutine_runner await_once(spinning_scheduler& sched, ferry::transfer t, handshake& hs,
+                            double& out, std::atomic<bool>& stop) {
+  (void)sched;
+  hs.waiting.store(true, std::memory_order_release);
+  co_await t;
+  out = since(hs);
+  stop.store(true, std::memory_order_release);
+}
+
+}  // namespace
+
+void run_latency(const options& opt) {
+  const int fast_iters = opt.quick ? 300 : 3000;
+  const int slow_iters = opt.quick ? 30 : 200;
+
+  struct row {
+    const char* name;
+    summary s;
+  };
+  std::vector<row> rows;
+
+  // The floor: a bare cross-thread atomic handoff.
+  {
+    std::atomic<bool> flag{false};
+    auto s = measure(
+        fast_iters, [&] { flag.store(false); },
+        [&](handshake& h) {
+          h.waiting.store(true, std::memory_order_release);
+          while (!flag.load(std::memory_order_acquire)) {
+          }
+          return since(h);
+        },
+        [&] { flag.store(true, std::memory_order_release); });
+    rows.push_back({"atomic handoff (floor)", summarize(s)});
+  }
+
+  // ferry: co_await on a spinning user scheduler.
+  {
+    ferry::transfer current;
+    ferry::completer completing;
+    auto s = measure(
+        fast_iters,
+        [&] {
+          auto [t, c] = ferry::make_manual_transfer();
+          current = std::move(t);
+          completing = std::move(c);
+        },
+        [&](handshake& h) {
+          spinning_scheduler sched;
+          std::atomic<bool> stop{false};
+          double latency = 0;
+          await_once(sched, current, h, latency, stop);
+          sched.run(stop);
+          return latency;
+        },
+        [&] { completing.succeed(); });
+    rows.push_back({"ferry co_await (spinning scheduler)", summarize(s)});
+  }
+
+  // ferry: blocking wait().
+  {
+    ferry::transfer current;
+    ferry::completer completing;
+    auto s = measure(
+        fast_iters,
+        [&] {
+          auto [t, c] = ferry::make_manual_transfer();
+          current = std::move(t);
+          completing = std::move(c);
+        },
+        [&](handshake& h) {
+          h.waiting.store(true, std::memory_order_release);
+          (void)current.wait();
+          return since(h);
+        },
+        [&] { completing.succeed(); });
+    rows.push_back({"ferry wait() (blocking)", summarize(s)});
+  }
+
+  // Baseline: condition variable (how mori-io's Wait works, member by member).
+  {
+    auto st = std::make_unique<cv_status>();
+    auto s = measure(
+        fast_iters, [&] { st = std::make_unique<cv_status>(); },
+        [&](handshake& h) {
+          std::unique_lock lock(st->m);
+          h.waiting.store(true, std::memory_order_release);
+          st->cv.wait(lock, [&] { return st->done; });
+          return since(h);
+        },
+        [&] {
+          {
+            std::lock_guard lock(st->m);
+            st->done = true;
+          }
+          st->cv.notify_all();
+        });
+    rows.push_back({"condition variable", summarize(s)});
+  }
+
+  // Baseline: std::future.
+  {
+    std::promise<void> p;
+    std::future<void> f;
+    auto s = measure(
+        fast_iters,
+        [&] {
+          p = std::promise<void>();
+          f = p.get_future();
+        },
+        [&](handshake& h) {
+          h.waiting.store(true, std::memory_order_release);
+          f.get();
+          return since(h);
+        },
+        [&] { p.set_value(); });
+    rows.push_back({"std::future", summarize(s)});
+  }
+
+  // Baseline: a 1 ms polling loop on the status.
+  {
+    ferry::transfer current;
+    ferry::completer completing;
+    auto s = measure(
+        slow_iters,
+        [&] {
+          auto [t, c] = ferry::make_manual_transfer();
+          current = std::move(t);
+          completing = std::move(c);
+        },
+        [&](handshake& h) {
+          h.waiting.store(true, std::memory_order_release);
+          while (!current.done()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          return since(h);
+        },
+        [&] { completing.succeed(); });
+    rows.push_back({"1 ms polling loop", summarize(s)});
+  }
+
+  std::printf("\n## Completion -> resume latency (%d iterations; 1 ms polling: %d)\n\n", fast_iters,
+              slow_iters);
+  std::printf("| waiter | p50 | p99 | p50 / floor |\n|---|---|---|---|\n");
+  const double floor = rows[0].s.p50;
+  for (const row& r : rows) {
+    std::printf("| %s | %s | %s | %.1fx |\n", r.name, human_ns(r.s.p50).c_str(),
+                human_ns(r.s.p99).c_str(), r.s.p50 / floor);
+  }
+  const double co = rows[1].s.p50;
+  const double blocking = rows[2].s.p50;
+  const double cv = rows[3].s.p50;
+  char buf[128];
+  std::snprintf(buf, sizeof buf, "%.2fx the floor", co / floor);
+  report_target("co_await p50 within 3x of the bare handoff", buf, co <= 3 * floor);
+  std::snprintf(buf, sizeof buf, "%.2fx the condition variable", blocking / cv);
+  report_target("blocking wait() p50 no slower than the condition variable", buf, blocking <= cv);
+}
+
+}  // namespace ferry_bench

@@ -1,0 +1,43 @@
+// ferry's microbenchmarks. Every figure is measured in this process, next to its baseline, and the
+// targets are printed as ratios. Usage: ferry_bench [--quick] [latency] [when_all] [throughput]
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+
+#include "bench.hpp"
+#include "harness.hpp"
+
+int main(int argc, char** argv) {
+  ferry_bench::options opt;
+  bool latency = false, when_all = false, throughput = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--quick") {
+      opt.quick = true;
+    } else if (a == "latency") {
+      latency = true;
+    } else if (a == "when_all") {
+      when_all = true;
+    } else if (a == "throughput") {
+      throughput = true;
+    } else {
+      std::fprintf(stderr, "usage: %s [--quick] [latency] [when_all] [throughput]\n", argv[0]);
+      return 2;
+    }
+  }
+  if (!latency && !when_all && !throughput) latency = when_all = throughput = true;
+
+  std::printf("# ferry benchmarks%s (%u hardware threads)\n", opt.quick ? " (quick)" : "",
+              std::thread::hardware_concurrency());
+  if (latency) ferry_bench::run_latency(opt);
+  if (when_all) ferry_bench::run_when_all(opt);
+  if (throughput) ferry_bench::run_throughput(opt);
+
+  std::printf("\n## Targets\n\n| target | measured | |\n|---|---|---|\n");
+  for (const auto& t : ferry_bench::targets()) {
+    std::printf("| %s | %s | %s |\n", t.what.c_str(), t.measured.c_str(), t.met ? "met" : "MISSED");
+  }
+  return 0;
+}

@@ -1,0 +1,200 @@
+// Verdict latency after a failure at index k of N pending members: ferry's when_all (co_await) and
+// wait_all (blocking) against a batch wait that waits member by member on condition variables with one
+// shared deadline, the way mori-io's WaitAll does.
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <coroutine>
+#include <cstdio>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <ferry/ferry.hpp>
+
+#include "bench.hpp"
+#include "harness.hpp"
+
+namespace ferry_bench {
+namespace {
+
+using namespace std::chrono_literals;
+
+// The same one-slot spinning scheduler as the latency benchmark's.
+class spin_loop {
+ public:
+  void post(std::coroutine_handle<> h) noexcept { slot_.store(h.address(), std::memory_order_release); }
+  void run_until(const std::atomic<bool>& stop) {
+    while (!stop.load(std::memory_order_acquire)) {
+      if (void* p = slot_.exchange(nullptr, std::memory_order_acquire)) {
+        std::coroutine_handle<>::from_address(p).resume();
+      }
+    }
+  }
+
+ private:
+  std::atomic<void*> slot_{nullptr};
+};
+
+struct runner {
+  struct promise_type {
+    spin_loop* loop;
+    template <class... Rest>
+    promise_type(spin_loop& l, Rest&&...) : loop(&l) {}
+    spin_loop& get_scheduler() noexcept { return *loop; }
+    runner get_return_object() noexcept { return {}; }
+    std::suspend_never initial_suspend() noexcept { return {}; }
+    std::suspend_never final_suspend() noexcept { return {}; }
+    void return_void() noexcept {}
+    void unhandled_exception() noexcept { std::terminate(); }
+  };
+};
+
+struct round_state {
+  std::atomic<bool> waiting{false};
+  std::atomic<bool> finished{false};
+  std::atomic<std::int64_t> t0{0};
+  double latency = 0;
+  ferry::verdict seen = ferry::verdict::pending;
+};
+
+runner await_batch(spin_loop& loop, std::span<const ferry::transfer> ts, round_state& st) {
+  (void)loop;
+  st.waiting.store(true, std::memory_order_release);
+  const ferry::batch_result r = co_await ferry::when_all(ts, 60s);
+  st.latency = static_cast<double>(now_ns() - st.t0.load(std::memory_order_acquire));
+  st.seen = r.verdict;
+  st.finished.store(true, std::memory_order_release);
+}
+
+// Waits long enough for the waiting side to have registered every member and gone to sleep.
+void let_it_settle(std::size_t n) {
+  const std::int64_t until = now_ns() + 2'000'000 + static_cast<std::int64_t>(n) * 60;
+  while (now_ns() < until) {
+  }
+}
+
+enum class waiter_kind { coroutine, blocking };
+
+double ferry_round(std::size_t n, std::size_t k, waiter_kind kind) {
+  std::vector<ferry::transfer> ts;
+  std::vector<ferry::completer> cs;
+  ts.reserve(n);
+  cs.reserve(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    auto [t, c] = ferry::make_manual_transfer();
+    ts.push_back(std::move(t));
+    cs.push_back(std::move(c));
+  }
+  round_state st;
+  std::thread waiter([&] {
+    if (kind == waiter_kind::coroutine) {
+      spin_loop loop;
+      await_batch(loop, ts, st);
+      loop.run_until(st.finished);
+    } else {
+      st.waiting.store(true, std::memory_order_release);
+      const auto r = ferry::wait_all(ts, 60s);
+      st.latency = static_cast<double>(now_ns() - st.t0.load(std::memory_order_acquire));
+      st.seen = r.verdict;
+      st.finished.store(true, std::memory_order_release);
+    }
+  });
+  spin_until(st.waiting);
+  let_it_settle(n);
+  st.t0.store(now_ns(), std::memory_order_release);
+  cs[k].fail(std::make_error_code(std::errc::io_error));
+  waiter.join();
+  if (st.seen != ferry::verdict::failed) std::fprintf(stderr, "unexpected verdict\n");
+  return st.latency;
+}
+
+// The baseline: one mutex + condition variable per member, waited in index order against one shared
+// deadline. A failure at member k is noticed only after members 0..k-1 have finished, or at the
+// deadline when they never do.
+struct cv_member {
+  std::mutex m;
+  std::condition_variable cv;
+  int state = 0;  // 0 pending, 1 success, 2 failed
+};
+
+double baseline_round(std::size_t n, std::size_t k, std::chrono::milliseconds deadline,
+                      bool& saw_failure) {
+  std::vector<std::unique_ptr<cv_member>> members;
+  members.reserve(n);
+  for (std::size_t i = 0; i < n; ++i) members.push_back(std::make_unique<cv_member>());
+  std::atomic<bool> waiting{false};
+  std::atomic<std::int64_t> t0{0};
+  double latency = 0;
+  bool failed = false;
+  std::thread waiter([&] {
+    const auto until = bench_clock::now() + deadline;
+    waiting.store(true, std::memory_order_release);
+    for (auto& m : members) {
+      std::unique_lock lock(m->m);
+      if (!m->cv.wait_until(lock, until, [&] { return m->state != 0; })) break;  // timed out
+      if (m->state == 2) {
+        failed = true;
+        break;
+      }
+    }
+    latency = static_cast<double>(now_ns() - t0.load(std::memory_order_acquire));
+  });
+  spin_until(waiting);
+  let_it_settle(n);
+  t0.store(now_ns(), std::memory_order_release);
+  {
+    std::lock_guard lock(members[k]->m);
+    members[k]->state = 2;
+  }
+  members[k]->cv.notify_all();
+  waiter.join();
+  saw_failure = failed;
+  return latency;
+}
+
+}  // namespace
+
+void run_when_all(const options& opt) {
+  const std::vector<std::size_t> sizes = {1, 64, 4096, 65536};
+  const auto baseline_deadline = std::chrono::milliseconds(opt.quick ? 20 : 50);
+  std::printf("\n## when_all verdict latency after a failure at index k of N pending members\n\n");
+  std::printf("Medians over repeated rounds; the baseline waits member by member with a %lld ms "
+              "shared deadline.\n\n",
+              static_cast<long long>(baseline_deadline.count()));
+  std::printf("| N | k | ferry co_await | ferry wait_all | member-by-member baseline | baseline saw "
+              "the failure |\n|---|---|---|---|---|---|\n");
+  double lo = 1e300, hi = 0;
+  double lo_b = 1e300, hi_b = 0;
+  for (std::size_t n : sizes) {
+    std::vector<std::size_t> ks = {0, n / 2, n - 1};
+    ks.erase(std::unique(ks.begin(), ks.end()), ks.end());
+    const int reps = opt.quick ? (n >= 4096 ? 3 : 7) : (n >= 65536 ? 9 : 21);
+    for (std::size_t k : ks) {
+      std::vector<double> co, blocking;
+      for (int r = 0; r < reps; ++r) {
+        co.push_back(ferry_round(n, k, waiter_kind::coroutine));
+        blocking.push_back(ferry_round(n, k, waiter_kind::blocking));
+      }
+      bool saw = false;
+      std::vector<double> base;
+      for (int r = 0; r < (opt.quick ? 1 : 3); ++r) base.push_back(baseline_round(n, k, baseline_deadline, saw));
+      const double c50 = summarize(co).p50;
+      const double b50 = summarize(blocking).p50;
+      lo = std::min(lo, c50);
+      hi = std::max(hi, c50);
+      lo_b = std::min(lo_b, b50);
+      hi_b = std::max(hi_b, b50);
+      std::printf("| %zu | %zu | %s | %s | %s | %s |\n", n, k, human_ns(c50).c_str(),
+                  human_ns(b50).c_str(), human_ns(summarize(base).p50).c_str(),
+                  saw ? "yes" : "no (timed out)");
+    }
+  }
+  char buf[128];
+  std::snprintf(buf, sizeof buf, "max/min %.2f (co_await), %.2f (wait_all)", hi / lo, hi_b / lo_b);
+  report_target("short-circuit latency flat in k and N (max/min <= 2)", buf, hi / lo <= 2.0);
+}
+
+}  // namespace ferry_bench

@@ -1,0 +1,45 @@
+#!/bin/sh
+# ferry's quick start, for a fresh Debian 12 machine (run as root from the checkout):
+#   scripts/quickstart.sh demo   installs what is missing, builds, runs the demo and a benchmark summary
+#   scripts/quickstart.sh test   installs what is missing, builds every test build, runs the whole suite
+set -eu
+cd "$(dirname "$0")/.."
+
+mode=${1:-}
+case "$mode" in
+  demo) packages="g++ meson ninja-build pkg-config liburing-dev libibverbs-dev" ;;
+  test) packages="g++ clang meson ninja-build pkg-config catch2 cmake liburing-dev libibverbs-dev" ;;
+  *) echo "usage: $0 demo|test" >&2; exit 2 ;;
+esac
+
+missing=""
+for p in $packages; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+done
+if [ -n "$missing" ]; then
+  echo "installing:$missing"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing
+fi
+
+jobs=$(nproc)
+if [ "$mode" = demo ]; then
+  rm -rf build-demo
+  meson setup build-demo --buildtype=release -Dtests=false
+  ninja -C build-demo -j "$jobs"
+  ./build-demo/examples/hello_transfer
+  ./build-demo/bench/ferry_bench --quick
+  exit 0
+fi
+
+# The suite: g++ 12 with warnings as errors, in three builds (plain, ThreadSanitizer for every
+# concurrency test, AddressSanitizer + UBSan for all), then clang 14 building everything and running
+# the plain suite.
+rm -rf build-test build-clang
+meson setup build-test --werror
+ninja -C build-test -j "$jobs"
+meson test -C build-test --print-errorlogs --num-processes "$jobs"
+CXX=clang++ meson setup build-clang --werror -Dsanitizer_tests=false
+ninja -C build-clang -j "$jobs"
+meson test -C build-clang --print-errorlogs --num-processes "$jobs" --suite plain
+echo "all ferry tests passed"

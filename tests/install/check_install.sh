@@ -1,0 +1,29 @@
+#!/bin/sh
+# Installs the build into a scratch directory, then builds and runs a consumer program twice: through
+# the generated pkg-config file and through the CMake package (find_package(ferry), ferry::ferry).
+# Usage: check_install.sh BUILD_DIR SOURCE_DIR CXX
+set -eu
+build=$1; source=$2; cxx=$3
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+DESTDIR="$scratch/root" meson install -C "$build" --no-rebuild --quiet
+prefix=$(find "$scratch/root" -name ferry.hpp -path '*/include/ferry/*' | head -1)
+prefix=${prefix%/include/ferry/ferry.hpp}
+pcdir=$(dirname "$(find "$scratch/root" -name ferry.pc | head -1)")
+
+echo "pkg-config consumer"
+flags=$(PKG_CONFIG_PATH="$pcdir" PKG_CONFIG_SYSROOT_DIR="$scratch/root" pkg-config --cflags --libs ferry)
+# shellcheck disable=SC2086
+"$cxx" "$source/tests/install/consumer.cpp" $flags -o "$scratch/consumer_pc"
+"$scratch/consumer_pc"
+
+if command -v cmake >/dev/null 2>&1; then
+  echo "CMake consumer"
+  cmake -S "$source/tests/install" -B "$scratch/cmake-build" -DCMAKE_PREFIX_PATH="$prefix" \
+    -DCMAKE_CXX_COMPILER="$cxx" >/dev/null
+  cmake --build "$scratch/cmake-build" >/dev/null
+  "$scratch/cmake-build/consumer"
+else
+  echo "cmake not installed: CMake consumer not checked"; exit 77
+fi
+echo "installed headers, ferry.pc and ferryConfig.cmake work"
