@@ -125,7 +125,7 @@ coroutine_runner await_once(spinning_scheduler& sched, ferry::transfer t, handsh
                             double& out, std::atomic<bool>& stop) {
   (void)sched;
   hs.waiting.store(true, std::memory_order_release);
-  co_await t;
+  (void)co_await t;
   out = since(hs);
   stop.store(true, std::memory_order_release);
 }

@@ -63,6 +63,35 @@ struct detached {
   };
 };
 
+// A coroutine whose frame stays until the test destroys it (final_suspend suspends).
+struct held {
+  struct promise_type {
+    ferry::run_loop* loop;
+    template <class... Args>
+    explicit promise_type(ferry::run_loop& l, Args&&...) : loop(&l) {}
+    ferry::run_loop& get_scheduler() noexcept { return *loop; }
+    held get_return_object() noexcept {
+      return {std::coroutine_handle<promise_type>::from_promise(*this)};
+    }
+    std::suspend_never initial_suspend() noexcept { return {}; }
+    std::suspend_always final_suspend() noexcept { return {}; }
+    void return_void() noexcept {}
+    void unhandled_exception() noexcept { std::terminate(); }
+  };
+  std::coroutine_handle<promise_type> handle;
+};
+
+// Links a waiter at the head of t's list whose continuation runs inline on the completing thread
+// and holds it there (stage 1) until the test says go (stage 2): a completer stalled between
+// publishing a completion and notifying the waiters behind this one.
+inline held stall_completer(ferry::run_loop& loop, ferry::transfer t, std::atomic<int>& stage) {
+  (void)loop;
+  ferry::inline_scheduler here;
+  (void)co_await ferry::resume_on(here, t);
+  stage.store(1);
+  while (stage.load() != 2) std::this_thread::yield();
+}
+
 // co_await hop{loop}: continue on the loop's thread.
 struct hop {
   ferry::run_loop& loop;

@@ -76,7 +76,7 @@ ferry::task<int> nested(int depth) {
 }
 
 ferry::task<void> throws_after_await(ferry::transfer t) {
-  co_await t;
+  (void)co_await t;
   throw std::runtime_error("boom after the transfer");
 }
 
@@ -210,7 +210,7 @@ TEST_CASE("inline_scheduler resumes on the completing thread, by explicit choice
   std::atomic<bool> refused{false};
   [](ferry::inline_scheduler& s, ferry::transfer tt, ferry::completer again,
      std::atomic<std::thread::id>& w, std::atomic<bool>& r) -> bare_task {
-    co_await ferry::resume_on(s, tt);
+    (void)co_await ferry::resume_on(s, tt);
     w.store(std::this_thread::get_id());
     // Still inside the completer's call: completing the same transfer again must not deadlock.
     r.store(!again.fail(std::make_error_code(std::errc::io_error)));

@@ -215,3 +215,42 @@ TEST_CASE("make_completed_transfer gives a terminal transfer", "[transfer]") {
   CHECK(t.error() == ferry::errc::destination_too_small);
   CHECK_THAT(t.error().message(), Catch::Contains("destination"));
 }
+
+namespace {
+
+held await_and_count(ferry::run_loop& loop, ferry::transfer t, std::atomic<int>& resumed) {
+  (void)loop;
+  (void)co_await t;
+  resumed.fetch_add(1);
+}
+
+}  // namespace
+
+TEST_CASE("a coroutine destroyed while suspended is never resumed, even mid-completion",
+          "[transfer][concurrency]") {
+  SECTION("destroyed before any completion") {
+    ferry::run_loop loop;  // never run: anything posted stays visible in it
+    auto [t, c] = ferry::make_manual_transfer();
+    std::atomic<int> resumed{0};
+    held victim = await_and_count(loop, t, resumed);
+    victim.handle.destroy();
+    CHECK(c.succeed());
+    CHECK(loop.size() == 0);
+  }
+  SECTION("destroyed after the completion detached it, before its notification") {
+    ferry::run_loop loop;
+    auto [t, c] = ferry::make_manual_transfer();
+    std::atomic<int> stage{0};
+    std::atomic<int> resumed{0};
+    held staller = stall_completer(loop, t, stage);   // first in t's list
+    held victim = await_and_count(loop, t, resumed);  // second
+    std::thread completer([c = std::move(c)]() mutable { c.succeed(); });
+    while (stage.load() != 1) std::this_thread::yield();
+    victim.handle.destroy();  // must cancel the pending notification, not race it
+    stage.store(2);
+    completer.join();
+    staller.handle.destroy();
+    CHECK(loop.size() == 0);  // the destroyed coroutine was not posted
+    CHECK(resumed.load() == 0);
+  }
+}

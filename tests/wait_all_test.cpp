@@ -2,6 +2,9 @@
 
 #include <catch2/catch.hpp>
 
+#include <malloc.h>
+
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -249,4 +252,64 @@ TEST_CASE("drain waits for every member, failures included", "[wait_all][concurr
     CHECK(r.pending == 1);
     CHECK(r.first_failed == 0u);
   }
+}
+
+TEST_CASE("the first failure in time wins even when its notification arrives second",
+          "[wait_all][concurrency]") {
+  // t0 fails first (and is visible as failed), but its completer stalls before notifying the
+  // batch; t1 fails later and its notification decides. The report must still name t0.
+  ferry::run_loop loop;
+  batch b(2);
+  std::atomic<int> stage{0};
+  held staller = stall_completer(loop, b.transfers[0], stage);
+  ferry::batch_result r;
+  std::thread waiter([&] { r = ferry::wait_all(b.transfers, -1ms); });
+  std::this_thread::sleep_for(20ms);  // the wait is registered on both members
+  const std::error_code first = std::make_error_code(std::errc::timed_out);
+  std::thread fail0([c = b.completers[0], first]() mutable { c.fail(first); });
+  while (stage.load() != 1) std::this_thread::yield();
+  b.completers[1].fail(io_error);
+  waiter.join();
+  stage.store(2);
+  fail0.join();
+  staller.handle.destroy();
+  CHECK(r.verdict == verdict::failed);
+  CHECK(r.first_failed == 0u);
+  CHECK(r.error == first);
+}
+
+TEST_CASE("a failure published before the deadline is not reported as a timeout",
+          "[wait_all][concurrency]") {
+  ferry::run_loop loop;
+  batch b(2);
+  std::atomic<int> stage{0};
+  held staller = stall_completer(loop, b.transfers[0], stage);
+  ferry::batch_result r;
+  std::thread waiter([&] { r = ferry::wait_all(b.transfers, 100ms); });
+  std::this_thread::sleep_for(10ms);
+  std::thread fail0([c = b.completers[0]]() mutable { c.fail(io_error); });
+  waiter.join();  // the notification is stalled past the deadline
+  stage.store(2);
+  fail0.join();
+  staller.handle.destroy();
+  CHECK(r.verdict == verdict::failed);
+  CHECK(r.first_failed == 0u);
+}
+
+TEST_CASE("repeated timed waits behind a waiter that stays do not grow the waiter list",
+          "[wait_all]") {
+  ferry::run_loop loop;
+  auto made = ferry::make_manual_transfer();
+  std::atomic<int> stage{0};
+  // A coroutine stays linked at the head for the whole test; the sweep must get past it.
+  held stays = stall_completer(loop, made.first, stage);
+  std::vector<ferry::transfer> one{made.first};
+  for (int i = 0; i < 1000; ++i) (void)ferry::wait_all(one, 1ns);  // warm the pools
+  const std::size_t before = mallinfo2().uordblks;
+  for (int i = 0; i < 100'000; ++i) {
+    CHECK(ferry::wait_all(one, 1ns).verdict == verdict::timed_out);
+  }
+  const std::size_t grown = mallinfo2().uordblks - before;
+  CHECK(grown < 1'000'000);
+  stays.handle.destroy();
 }

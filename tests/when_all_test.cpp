@@ -258,7 +258,7 @@ TEST_CASE("10^5 races between completion and suspension lose no wakeup", "[when_
     [](ferry::run_loop& l, ferry::transfer tt, std::vector<ferry::transfer> ps,
        std::atomic<int>& single, std::atomic<int>& multi, std::atomic<bool>& fin) -> detached {
       co_await hop{l};
-      co_await tt;
+      (void)co_await tt;
       single.fetch_add(1);
       const auto r = co_await ferry::when_all(ps, std::chrono::seconds(60));
       if (r.verdict == verdict::success) multi.fetch_add(1);

@@ -7,6 +7,7 @@
 #include "ferry/errors.hpp"
 #include "ferry/fault_injector.hpp"
 #include "ferry/loopback.hpp"
+#include "ferry/poll_all.hpp"
 #include "ferry/progress_executor.hpp"
 #include "ferry/run_loop.hpp"
 #include "ferry/scheduler.hpp"

@@ -32,9 +32,12 @@ class transfer_awaiter : private detail::waiter {
   transfer_awaiter(const transfer_awaiter&) = delete;
   transfer_awaiter& operator=(const transfer_awaiter&) = delete;
 
-  // Only a coroutine destroyed while suspended here still has a linked node.
+  // Only a coroutine destroyed while suspended here still has a node that a completion may
+  // notify. remove_waiter makes sure it will not be (the status is alive: it is pending, or its
+  // completer is inside complete()); if the notification had already started, the coroutine was as
+  // good as resumed, and destroying it was the caller's error, as with any coroutine.
   ~transfer_awaiter() {
-    if (suspended_ && !notified_) status_->remove_waiter(this);
+    if (suspended_ && !resumed_) status_->remove_waiter(this);
   }
 
   [[nodiscard]] bool await_ready() noexcept {
@@ -64,13 +67,15 @@ class transfer_awaiter : private detail::waiter {
     return false;
   }
 
-  [[nodiscard]] transfer_state await_resume() const noexcept { return result_; }
+  [[nodiscard]] transfer_state await_resume() noexcept {
+    resumed_ = true;
+    return result_;
+  }
 
  private:
   static void on_complete(detail::waiter* w, const detail::completion_event& ev) noexcept {
     auto* self = static_cast<transfer_awaiter*>(w);
     self->result_ = ev.state;
-    self->notified_ = true;
     // post() copies the scheduler before it makes the coroutine runnable: *self may be gone after.
     self->scheduler_.post(self->continuation_);
   }
@@ -80,7 +85,7 @@ class transfer_awaiter : private detail::waiter {
   any_scheduler scheduler_;
   transfer_state result_ = transfer_state::pending;
   bool suspended_ = false;
-  bool notified_ = false;
+  bool resumed_ = false;
 };
 
 class transfer {

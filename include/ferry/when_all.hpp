@@ -71,7 +71,7 @@ class [[nodiscard]] when_all_awaitable {
 
   batch_result await_resume() noexcept {
     if (join_ != nullptr) {
-      result_ = join_->result();
+      result_ = join_->result(members_);
       std::exchange(join_, nullptr)->finish();
     }
     return result_;

@@ -28,6 +28,7 @@
 #include "ferry/detail/futex.hpp"
 #include "ferry/detail/status_block.hpp"
 #include "ferry/detail/timer_service.hpp"
+#include "ferry/poll_all.hpp"
 #include "ferry/transfer.hpp"
 
 namespace ferry::detail {
@@ -84,7 +85,7 @@ class batch_join : private timer_node {
     refs_.fetch_add(members.size(), std::memory_order_relaxed);
     std::size_t unlinked = 0;
     for (std::size_t i = 0; i < members.size(); ++i) {
-      waiter& node = nodes()[i];
+      waiter& node = *::new (static_cast<void*>(nodes() + i)) waiter;
       node.index = static_cast<std::uint32_t>(i);
       node.notify = &on_member;
       node.expired = &is_expired;
@@ -117,7 +118,12 @@ class batch_join : private timer_node {
     }
   }
 
-  [[nodiscard]] const batch_result& result() const noexcept { return result_; }
+  // The verdict, completed on the waiting side (see settle()).
+  [[nodiscard]] batch_result result(std::span<const transfer> members) noexcept {
+    batch_result r = result_;
+    settle(r, members);
+    return r;
+  }
 
   // The waiting side is finished with the join: disarm the timer and drop the waiter's reference.
   // If no verdict was delivered (a coroutine destroyed while suspended), claim it first so that no
@@ -209,7 +215,9 @@ class batch_join : private timer_node {
       r.error = first_error_;
     }
     failure_lock_.store(false, std::memory_order_release);
-    if ((word & failed) != 0) {
+    // In short-circuit mode a failure recorded just before this decision (its CAS not yet made)
+    // still wins: a verdict never says timed_out next to a known failure.
+    if ((word & failed) != 0 || (mode_ == batch_mode::short_circuit && r.first_failed)) {
       r.verdict = verdict::failed;
     } else if (pending == 0) {
       r.verdict = r.first_failed ? verdict::failed : verdict::success;
@@ -217,6 +225,35 @@ class batch_join : private timer_node {
       r.verdict = verdict::timed_out;
     }
     result_ = r;
+  }
+
+  // Two corrections made by the waiting side, which still holds the members, so that neither costs
+  // the verdict path anything:
+  //  - a failure is reported as the earliest in time: the failure record may have improved since the
+  //    decision, and while any failure anywhere is still being delivered, one earlier than ours may
+  //    not have reached us yet, so the members are looked at directly (rare: concurrent failures);
+  //  - a timeout is confirmed by a look at the members: a completion published before the deadline
+  //    whose notification was still on its way decides instead (rare: the timeout path).
+  void settle(batch_result& r, std::span<const transfer> members) noexcept {
+    if (r.verdict == verdict::timed_out) {
+      const batch_result look = poll_all(members);
+      const bool decided = mode_ == batch_mode::short_circuit ? look.verdict != verdict::pending
+                                                              : look.pending == 0;
+      if (decided) r = look;
+      return;
+    }
+    if (r.verdict != verdict::failed) return;
+    while (failure_lock_.exchange(true, std::memory_order_acquire)) cpu_relax();
+    r.first_failed = first_failed_;
+    r.error = first_error_;
+    failure_lock_.store(false, std::memory_order_release);
+    if (failures_in_delivery.load(std::memory_order_acquire) != 0) {
+      const batch_result look = poll_all(members);
+      if (look.first_failed) {
+        r.first_failed = look.first_failed;
+        r.error = look.error;
+      }
+    }
   }
 
   static void on_member(waiter* w, const completion_event& ev) noexcept {
@@ -283,44 +320,53 @@ using join_pool = block_pool<
     std::clamp<std::size_t>(65536 / sizeof(join_storage<Members>), 1, 64),
     std::clamp<std::size_t>(262144 / sizeof(join_storage<Members>), 2, 256)>;
 
-inline constexpr std::uint8_t unpooled_join = 0xff;
+// Size classes by member count; larger joins come from operator new.
+struct join_memory {
+  static constexpr std::uint8_t unpooled = 0xff;
 
-template <std::size_t... Members>
-struct join_classes {
-  static constexpr std::size_t capacity[] = {Members...};
+  [[nodiscard]] static std::uint8_t size_class(std::size_t members) noexcept {
+    if (members <= 8) return 0;
+    if (members <= 32) return 1;
+    if (members <= 128) return 2;
+    if (members <= 512) return 3;
+    if (members <= 2048) return 4;
+    return unpooled;
+  }
 
-  static void* allocate(std::size_t members, std::uint8_t& size_class) {
-    std::uint8_t i = 0;
-    void* p = nullptr;
-    ((p == nullptr && members <= Members
-          ? (p = join_pool<Members>::acquire()->bytes, size_class = i, true)
-          : (++i, false)) ||
-     ...);
-    if (p != nullptr) return p;
-    size_class = unpooled_join;
-    return ::operator new(sizeof(batch_join) + members * sizeof(waiter),
-                          std::align_val_t{alignof(batch_join)});
+  [[nodiscard]] static void* allocate(std::size_t members, std::uint8_t size_class) {
+    switch (size_class) {
+      case 0: return join_pool<8>::acquire()->bytes;
+      case 1: return join_pool<32>::acquire()->bytes;
+      case 2: return join_pool<128>::acquire()->bytes;
+      case 3: return join_pool<512>::acquire()->bytes;
+      case 4: return join_pool<2048>::acquire()->bytes;
+      default:
+        return ::operator new(sizeof(batch_join) + members * sizeof(waiter),
+                              std::align_val_t{alignof(batch_join)});
+    }
   }
 
   static void deallocate(void* p, std::uint8_t size_class) noexcept {
-    if (size_class == unpooled_join) {
-      ::operator delete(p, std::align_val_t{alignof(batch_join)});
-      return;
+    switch (size_class) {
+      case 0: return give_back<8>(p);
+      case 1: return give_back<32>(p);
+      case 2: return give_back<128>(p);
+      case 3: return give_back<512>(p);
+      case 4: return give_back<2048>(p);
+      default: ::operator delete(p, std::align_val_t{alignof(batch_join)});
     }
-    std::uint8_t i = 0;
-    ((i++ == size_class
-          ? (join_pool<Members>::release(
-                 reinterpret_cast<join_storage<Members>*>(static_cast<unsigned char*>(p))),
-             true)
-          : false) ||
-     ...);
+  }
+
+ private:
+  template <std::size_t Members>
+  static void give_back(void* p) noexcept {
+    // `bytes` is the storage's first member, so the storage starts where the join does.
+    join_pool<Members>::release(static_cast<join_storage<Members>*>(p));
   }
 };
 
-using join_memory = join_classes<8, 32, 128, 512, 2048>;
-
 inline batch_join* batch_join::create(std::size_t members, batch_mode mode) {
-  std::uint8_t size_class = unpooled_join;
+  const std::uint8_t size_class = join_memory::size_class(members);
   void* raw = join_memory::allocate(members, size_class);
   return ::new (raw) batch_join(members, mode, size_class);
 }

@@ -42,6 +42,11 @@ struct waiter {
   bool linked = false;
 };
 
+// Failures whose completion has been published but whose waiters have not all been notified yet.
+// A batch wait that reports a failure checks it: while it is zero, every failure earlier in time
+// than the one it saw has already reached it.
+inline std::atomic<std::uint64_t> failures_in_delivery{0};
+
 // "First failure in time" is decided by this sequence. Successes take no number: no verdict depends
 // on the order of successes, and skipping them keeps the success path free of a shared counter.
 inline std::atomic<std::uint64_t> failure_sequence{0};
@@ -80,36 +85,56 @@ class alignas(64) status_block {
   }
 
   // The first terminal call wins; later ones return false and change nothing.
+  //
+  // Waiters are handed out one at a time, each taken off the list under the lock and notified
+  // outside it. So a waiter's owner can always take its node off with remove_waiter (it is either
+  // still linked, or its notification has started), and a continuation resumed inline may touch
+  // this status, or remove another waiter, without deadlocking.
   bool complete(transfer_state to, std::error_code ec) noexcept {
     if (!lock_pending()) return false;
-    if (to != transfer_state::success) {
+    const bool failure = to != transfer_state::success;
+    if (failure) {
       if (!ec) ec = make_error_code(to == transfer_state::cancelled ? errc::cancelled
                                                                     : errc::unspecified_failure);
-      sequence_ = failure_sequence.fetch_add(1, std::memory_order_relaxed) + 1;
+      // Counted before the sequence number is taken, and the number taken with acq_rel: whoever
+      // sees a later number also sees this failure counted until it has been delivered.
+      failures_in_delivery.fetch_add(1, std::memory_order_relaxed);
+      sequence_ = failure_sequence.fetch_add(1, std::memory_order_acq_rel) + 1;
     } else {
       ec = {};
     }
     error_ = ec;
-    // Take the whole list while registration is locked out: from here on it is ours alone.
-    waiter* list = head_;
-    head_ = tail_ = nullptr;
-    for (waiter* w = list; w != nullptr; w = w->next) w->linked = false;
-    // Publish and unlock in one RMW: the state bits are zero and the lock bit is set, so XOR sets
-    // the one and clears the other, keeping a sleepers bit that wait() may have set meanwhile.
-    // Release pairs with the acquire in state(): a terminal state carries error_ and sequence_.
-    const std::uint32_t before =
-        word_.fetch_xor(lock_bit | static_cast<std::uint32_t>(to), std::memory_order_release);
-    if ((before & sleepers_bit) != 0) futex_wake_all(word_);
-
-    // Outside the lock. Each waiter's owner keeps it alive until notified (a suspended coroutine,
-    // or a batch join that holds a reference per linked member); read `next` before notifying
-    // because a notified owner may free its node at once.
     const completion_event ev{to, ec, sequence_};
-    while (list != nullptr) {
-      waiter* next = list->next;
-      list->notify(list, ev);
-      list = next;
+    const auto state_bits = static_cast<std::uint32_t>(to);
+
+    waiter* w = head_;
+    if (w == nullptr || w->next == nullptr) {
+      // No waiter or one: take it, then publish and unlock in one RMW. The state bits are zero and
+      // the lock bit is set, so XOR sets the one and clears the other, keeping a sleepers bit that
+      // wait() may have set meanwhile. Release pairs with the acquire in state(): a terminal state
+      // carries error_ and sequence_.
+      if (w != nullptr) take(w);
+      const std::uint32_t before = word_.fetch_xor(lock_bit | state_bits, std::memory_order_release);
+      if ((before & sleepers_bit) != 0) futex_wake_all(word_);
+      if (w != nullptr) w->notify(w, ev);
+    } else {
+      // Several: publish while still locked (nothing can link any more), then hand them out.
+      const std::uint32_t before = word_.fetch_or(state_bits, std::memory_order_release);
+      take(w);
+      unlock();
+      if ((before & sleepers_bit) != 0) futex_wake_all(word_);
+      for (;;) {
+        // A notified owner may free its node at once: nothing touches `w` after notify.
+        w->notify(w, ev);
+        lock();
+        w = head_;
+        if (w == nullptr) break;
+        take(w);
+        unlock();
+      }
+      unlock();
     }
+    if (failure) failures_in_delivery.fetch_sub(1, std::memory_order_release);
     return true;
   }
 
@@ -131,8 +156,8 @@ class alignas(64) status_block {
     return true;
   }
 
-  // Unlinks `w` if it is still linked. Returns false when a completion already took it: its
-  // notification has then run, or is running on the completing thread.
+  // Takes `w` off the list if it is still there: true means it will never be notified; false
+  // means its notification has started (it has run, or is running on the completing thread).
   bool remove_waiter(waiter* w) noexcept {
     lock();
     const bool was_linked = w->linked;
@@ -238,17 +263,38 @@ class alignas(64) status_block {
     w->linked = false;
   }
 
-  // Takes up to two expired waiters off the head, so that a caller that waits on a transfer that
-  // never ends, again and again with a timeout, cannot grow this list without bound: every
-  // registration removes at least as many dead nodes as it adds.
+  // Under the lock: the head waiter leaves the list to be notified.
+  void take(waiter* w) noexcept {
+    head_ = w->next;
+    if (head_ != nullptr) {
+      head_->prev = nullptr;
+    } else {
+      tail_ = nullptr;
+    }
+    w->next = w->prev = nullptr;
+    w->linked = false;
+  }
+
+  // Looks at up to three waiters from the head: an expired one is taken off, a live one is moved to
+  // the tail, so the look walks round the whole list over successive registrations. A caller that
+  // waits on a transfer that never ends, again and again with a timeout, therefore cannot grow the
+  // list without bound, even behind waiters that stay: each registration adds one node and, once
+  // dead nodes are common, removes more than one.
   waiter* sweep_expired() noexcept {
     waiter* swept = nullptr;
-    for (int i = 0; i < 2 && head_ != nullptr; ++i) {
+    for (int i = 0; i < 3 && head_ != nullptr; ++i) {
       waiter* w = head_;
-      if (w->expired == nullptr || !w->expired(w)) break;
-      unlink(w);
-      w->next = swept;
-      swept = w;
+      if (w->expired != nullptr && w->expired(w)) {
+        unlink(w);
+        w->next = swept;
+        swept = w;
+      } else if (w != tail_) {
+        unlink(w);
+        w->prev = tail_;
+        tail_->next = w;
+        tail_ = w;
+        w->linked = true;
+      }
     }
     return swept;
   }
