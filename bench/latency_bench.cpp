@@ -30,6 +30,22 @@ void pin_to(unsigned cpu) {
   ::pthread_setaffinity_np(::pthread_self(), sizeof set, &set);
 }
 
+// Pins the calling thread for a scope and restores its affinity afterwards, so that one section's
+// pinning never squeezes a later section's threads onto one core.
+class pinned_scope {
+ public:
+  explicit pinned_scope(unsigned cpu) {
+    ::pthread_getaffinity_np(::pthread_self(), sizeof saved_, &saved_);
+    pin_to(cpu);
+  }
+  ~pinned_scope() { ::pthread_setaffinity_np(::pthread_self(), sizeof saved_, &saved_); }
+  pinned_scope(const pinned_scope&) = delete;
+  pinned_scope& operator=(const pinned_scope&) = delete;
+
+ private:
+  cpu_set_t saved_{};
+};
+
 // A user's own spinning scheduler: one slot, polled in a tight loop by its thread.
 class spinning_scheduler {
  public:
@@ -80,7 +96,7 @@ std::vector<double> measure(int iterations, Prepare prepare, Wait wait_side, Com
     }
     (void)stop;
   });
-  pin_to(0);
+  const pinned_scope pinned(0);
   for (int i = 0; i < iterations; ++i) {
     prepare();
     h.done.store(false, std::memory_order_relaxed);

@@ -173,6 +173,8 @@ void run_when_all(const options& opt) {
     ks.erase(std::unique(ks.begin(), ks.end()), ks.end());
     const int reps = opt.quick ? (n >= 4096 ? 3 : 7) : (n >= 65536 ? 9 : 21);
     for (std::size_t k : ks) {
+      (void)ferry_round(n, k, waiter_kind::coroutine);  // warm-up: pools, pages, timer thread
+      (void)ferry_round(n, k, waiter_kind::blocking);
       std::vector<double> co, blocking;
       for (int r = 0; r < reps; ++r) {
         co.push_back(ferry_round(n, k, waiter_kind::coroutine));

@@ -266,7 +266,7 @@ TEST_CASE("10^5 races between completion and suspension lose no wakeup", "[when_
     }(engine.loop(), t, pair, resumed, batch_resumed, done);
     c.succeed();
     c2.succeed();
-    while (!done.load()) std::this_thread::yield();
+    REQUIRE(wait_until([&] { return done.load(); }));  // a lost wakeup would leave it suspended
   }
   CHECK(resumed.load() == rounds);
   CHECK(batch_resumed.load() == rounds);

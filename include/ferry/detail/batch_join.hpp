@@ -247,13 +247,24 @@ class batch_join : private timer_node {
     r.first_failed = first_failed_;
     r.error = first_error_;
     failure_lock_.store(false, std::memory_order_release);
-    if (failures_in_delivery.load(std::memory_order_acquire) != 0) {
+    if (!deliveries_settle()) {
       const batch_result look = poll_all(members);
       if (look.first_failed) {
         r.first_failed = look.first_failed;
         r.error = look.error;
       }
     }
+  }
+
+  // True once no failure anywhere is still being delivered. The failure that decided this verdict
+  // is usually still finishing its own delivery when the waiter runs, so give in-flight deliveries
+  // a few microseconds to end before falling back to looking at every member.
+  static bool deliveries_settle() noexcept {
+    for (int i = 0; i < 4096; ++i) {
+      if (failures_in_delivery.load(std::memory_order_acquire) == 0) return true;
+      cpu_relax();
+    }
+    return false;
   }
 
   static void on_member(waiter* w, const completion_event& ev) noexcept {
