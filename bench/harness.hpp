@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <coroutine>
+#include <exception>
 #include <cstdint>
 #include <cstdio>
 #include <string>
@@ -71,6 +73,39 @@ inline std::vector<target>& targets() {
 inline void report_target(std::string what, std::string measured, bool met) {
   targets().push_back({std::move(what), std::move(measured), met});
 }
+
+// A user's own spinning scheduler: one slot, polled in a tight loop by the thread that runs it.
+class spinning_scheduler {
+ public:
+  void post(std::coroutine_handle<> h) noexcept { slot_.store(h.address(), std::memory_order_release); }
+
+  // Runs posted continuations until `stop` is set.
+  void run_until(const std::atomic<bool>& stop) {
+    while (!stop.load(std::memory_order_acquire)) {
+      if (void* p = slot_.exchange(nullptr, std::memory_order_acquire)) {
+        std::coroutine_handle<>::from_address(p).resume();
+      }
+    }
+  }
+
+ private:
+  std::atomic<void*> slot_{nullptr};
+};
+
+// A fire-and-forget coroutine whose promise names its first argument as its scheduler.
+struct spinning_coroutine {
+  struct promise_type {
+    spinning_scheduler* sched;
+    template <class... Rest>
+    explicit promise_type(spinning_scheduler& s, Rest&&...) : sched(&s) {}
+    spinning_scheduler& get_scheduler() noexcept { return *sched; }
+    spinning_coroutine get_return_object() noexcept { return {}; }
+    std::suspend_never initial_suspend() noexcept { return {}; }
+    std::suspend_never final_suspend() noexcept { return {}; }
+    void return_void() noexcept {}
+    void unhandled_exception() noexcept { std::terminate(); }
+  };
+};
 
 // Spin-wait helper for handshakes between benchmark threads.
 inline void spin_until(const std::atomic<bool>& flag) {

@@ -46,23 +46,6 @@ class pinned_scope {
   cpu_set_t saved_{};
 };
 
-// A user's own spinning scheduler: one slot, polled in a tight loop by its thread.
-class spinning_scheduler {
- public:
-  void post(std::coroutine_handle<> h) noexcept { slot_.store(h.address(), std::memory_order_release); }
-
-  // Runs posted continuations until `stop` is set.
-  void run(const std::atomic<bool>& stop) {
-    while (!stop.load(std::memory_order_acquire)) {
-      void* p = slot_.exchange(nullptr, std::memory_order_acquire);
-      if (p != nullptr) std::coroutine_handle<>::from_address(p).resume();
-    }
-  }
-
- private:
-  std::atomic<void*> slot_{nullptr};
-};
-
 // One iteration's handshake between the completing thread and the waiting thread.
 struct handshake {
   std::atomic<bool> armed{false};
@@ -123,21 +106,7 @@ struct cv_status {
   bool done = false;
 };
 
-struct coroutine_runner {
-  struct promise_type {
-    spinning_scheduler* sched;
-    template <class... Rest>
-    promise_type(spinning_scheduler& s, Rest&&...) : sched(&s) {}
-    spinning_scheduler& get_scheduler() noexcept { return *sched; }
-    coroutine_runner get_return_object() noexcept { return {}; }
-    std::suspend_never initial_suspend() noexcept { return {}; }
-    std::suspend_never final_suspend() noexcept { return {}; }
-    void return_void() noexcept {}
-    void unhandled_exception() noexcept { std::terminate(); }
-  };
-};
-
-coroutine_runner await_once(spinning_scheduler& sched, ferry::transfer t, handshake& hs,
+spinning_coroutine await_once(spinning_scheduler& sched, ferry::transfer t, handshake& hs,
                             double& out, std::atomic<bool>& stop) {
   (void)sched;
   hs.waiting.store(true, std::memory_order_release);
@@ -145,6 +114,19 @@ coroutine_runner await_once(spinning_scheduler& sched, ferry::transfer t, handsh
   out = since(hs);
   stop.store(true, std::memory_order_release);
 }
+
+// The transfer a round waits on, and its completer: made fresh for every round.
+struct manual_round {
+  ferry::transfer current;
+  ferry::completer completing;
+
+  void prepare() {
+    auto [t, c] = ferry::make_manual_transfer();
+    current = std::move(t);
+    completing = std::move(c);
+  }
+  void complete() { completing.succeed(); }
+};
 
 }  // namespace
 
@@ -175,44 +157,34 @@ void run_latency(const options& opt) {
 
   // ferry: co_await on a spinning user scheduler.
   {
-    ferry::transfer current;
-    ferry::completer completing;
+    manual_round round;
     auto s = measure(
         fast_iters,
-        [&] {
-          auto [t, c] = ferry::make_manual_transfer();
-          current = std::move(t);
-          completing = std::move(c);
-        },
+        [&] { round.prepare(); },
         [&](handshake& h) {
           spinning_scheduler sched;
           std::atomic<bool> stop{false};
           double latency = 0;
-          await_once(sched, current, h, latency, stop);
-          sched.run(stop);
+          await_once(sched, round.current, h, latency, stop);
+          sched.run_until(stop);
           return latency;
         },
-        [&] { completing.succeed(); });
+        [&] { round.complete(); });
     rows.push_back({"ferry co_await (spinning scheduler)", summarize(s)});
   }
 
   // ferry: blocking wait().
   {
-    ferry::transfer current;
-    ferry::completer completing;
+    manual_round round;
     auto s = measure(
         fast_iters,
-        [&] {
-          auto [t, c] = ferry::make_manual_transfer();
-          current = std::move(t);
-          completing = std::move(c);
-        },
+        [&] { round.prepare(); },
         [&](handshake& h) {
           h.waiting.store(true, std::memory_order_release);
-          (void)current.wait();
+          (void)round.current.wait();
           return since(h);
         },
-        [&] { completing.succeed(); });
+        [&] { round.complete(); });
     rows.push_back({"ferry wait() (blocking)", summarize(s)});
   }
 
@@ -258,21 +230,16 @@ void run_latency(const options& opt) {
 
   // Baseline: a 1 ms polling loop on the status.
   {
-    ferry::transfer current;
-    ferry::completer completing;
+    manual_round round;
     auto s = measure(
         slow_iters,
-        [&] {
-          auto [t, c] = ferry::make_manual_transfer();
-          current = std::move(t);
-          completing = std::move(c);
-        },
+        [&] { round.prepare(); },
         [&](handshake& h) {
           h.waiting.store(true, std::memory_order_release);
-          while (!current.done()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          while (!round.current.done()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
           return since(h);
         },
-        [&] { completing.succeed(); });
+        [&] { round.complete(); });
     rows.push_back({"1 ms polling loop", summarize(s)});
   }
 

@@ -22,36 +22,6 @@ namespace {
 
 using namespace std::chrono_literals;
 
-// The same one-slot spinning scheduler as the latency benchmark's.
-class spin_loop {
- public:
-  void post(std::coroutine_handle<> h) noexcept { slot_.store(h.address(), std::memory_order_release); }
-  void run_until(const std::atomic<bool>& stop) {
-    while (!stop.load(std::memory_order_acquire)) {
-      if (void* p = slot_.exchange(nullptr, std::memory_order_acquire)) {
-        std::coroutine_handle<>::from_address(p).resume();
-      }
-    }
-  }
-
- private:
-  std::atomic<void*> slot_{nullptr};
-};
-
-struct runner {
-  struct promise_type {
-    spin_loop* loop;
-    template <class... Rest>
-    promise_type(spin_loop& l, Rest&&...) : loop(&l) {}
-    spin_loop& get_scheduler() noexcept { return *loop; }
-    runner get_return_object() noexcept { return {}; }
-    std::suspend_never initial_suspend() noexcept { return {}; }
-    std::suspend_never final_suspend() noexcept { return {}; }
-    void return_void() noexcept {}
-    void unhandled_exception() noexcept { std::terminate(); }
-  };
-};
-
 struct round_state {
   std::atomic<bool> waiting{false};
   std::atomic<bool> finished{false};
@@ -60,7 +30,7 @@ struct round_state {
   ferry::verdict seen = ferry::verdict::pending;
 };
 
-runner await_batch(spin_loop& loop, std::span<const ferry::transfer> ts, round_state& st) {
+spinning_coroutine await_batch(spinning_scheduler& loop, std::span<const ferry::transfer> ts, round_state& st) {
   (void)loop;
   st.waiting.store(true, std::memory_order_release);
   const ferry::batch_result r = co_await ferry::when_all(ts, 60s);
@@ -91,7 +61,7 @@ double ferry_round(std::size_t n, std::size_t k, waiter_kind kind) {
   round_state st;
   std::thread waiter([&] {
     if (kind == waiter_kind::coroutine) {
-      spin_loop loop;
+      spinning_scheduler loop;
       await_batch(loop, ts, st);
       loop.run_until(st.finished);
     } else {

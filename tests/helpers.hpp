@@ -7,6 +7,7 @@
 #include <functional>
 #include <thread>
 #include <type_traits>
+#include <vector>
 
 #include <ferry/ferry.hpp>
 
@@ -21,6 +22,20 @@ inline constexpr auto hang_bound = std::chrono::seconds(10);
 inline double ms_since(clock_type::time_point start) {
   return std::chrono::duration<double, std::milli>(clock_type::now() - start).count();
 }
+
+// N manual transfers and their completers.
+struct batch {
+  std::vector<ferry::transfer> transfers;
+  std::vector<ferry::completer> completers;
+
+  explicit batch(std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i) {
+      auto [t, c] = ferry::make_manual_transfer();
+      transfers.push_back(std::move(t));
+      completers.push_back(std::move(c));
+    }
+  }
+};
 
 // A run_loop driven by its own thread, like an inference engine's scheduler thread.
 class engine_thread {

@@ -21,18 +21,6 @@ namespace {
 
 const std::error_code io_error = std::make_error_code(std::errc::io_error);
 
-struct batch {
-  std::vector<ferry::transfer> transfers;
-  std::vector<ferry::completer> completers;
-  explicit batch(std::size_t n) {
-    for (std::size_t i = 0; i < n; ++i) {
-      auto [t, c] = ferry::make_manual_transfer();
-      transfers.push_back(std::move(t));
-      completers.push_back(std::move(c));
-    }
-  }
-};
-
 struct observed {
   std::atomic<int> resumes{0};
   std::atomic<std::thread::id> thread{};
