@@ -53,11 +53,10 @@ class [[nodiscard]] when_all_awaitable {
                  members_.size()};
       return false;
     }
-    scheduler_ = std::move(s);
     const detail::clock::time_point deadline =
         timeout_.is_bounded() ? timeout_.deadline() : detail::clock::time_point{};
     join_ = detail::batch_join::create(members_.size(), detail::batch_mode::short_circuit);
-    join_->deliver_to(h, &scheduler_);
+    join_->deliver_to(h, std::move(s));
     try {
       // When start() returns false the verdict may be delivered, and this frame resumed and freed,
       // on another thread at any moment: nothing after it touches *this.
@@ -83,7 +82,6 @@ class [[nodiscard]] when_all_awaitable {
   detail::timer_service* timers_;
   batch_result result_;
   detail::batch_join* join_ = nullptr;
-  any_scheduler scheduler_;
 };
 
 // The deadline is served by a process-wide timer thread, started on first use. The overload taking a

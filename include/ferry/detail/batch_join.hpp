@@ -52,11 +52,11 @@ class batch_join : private timer_node {
   batch_join(const batch_join&) = delete;
   batch_join& operator=(const batch_join&) = delete;
 
-  // For a coroutine: the verdict is delivered by posting `h` through `*scheduler`, which lives in the
-  // awaiter and stays valid until `h` resumes.
-  void deliver_to(std::coroutine_handle<> h, const any_scheduler* s) noexcept {
+  // For a coroutine: the verdict is delivered by posting `h` through `s`. The join keeps its own
+  // copy, so delivering touches nothing in the awaiting coroutine's frame.
+  void deliver_to(std::coroutine_handle<> h, any_scheduler s) noexcept {
     continuation_ = h;
-    scheduler_ = s;
+    scheduler_ = std::move(s);
     deliver_ = &post_continuation;
   }
 
@@ -285,8 +285,9 @@ class batch_join : private timer_node {
   }
 
   static void post_continuation(batch_join* self) noexcept {
-    // The awaiter (and the scheduler in it) stays alive until the continuation runs.
-    self->scheduler_->post(self->continuation_);
+    // The deliverer still holds a reference to the join; post() copies the scheduler before the
+    // coroutine can run.
+    self->scheduler_.post(self->continuation_);
   }
 
   static void wake_sleeper(batch_join* self) noexcept {
@@ -296,19 +297,20 @@ class batch_join : private timer_node {
 
   void release() noexcept;
 
+  // What a deciding completion touches comes first, to keep its cache misses few.
   std::atomic<std::uint64_t> word_;
   std::atomic<std::size_t> refs_{1};  // the waiting side, linked members, the armed timer
   std::atomic<std::uint32_t> done_{0};  // futex word for a blocked waiter
   std::atomic<bool> failure_lock_{false};
   batch_mode mode_;
   std::uint8_t size_class_;
+  deliver_fn deliver_ = nullptr;
+  std::coroutine_handle<> continuation_;
+  any_scheduler scheduler_;
   std::optional<std::size_t> first_failed_;
   std::uint64_t first_sequence_ = 0;
   std::error_code first_error_;
   batch_result result_;
-  deliver_fn deliver_ = nullptr;
-  std::coroutine_handle<> continuation_;
-  const any_scheduler* scheduler_ = nullptr;
   timer_service* timers_ = nullptr;
 };
 
