@@ -23,6 +23,17 @@ inline double ms_since(clock_type::time_point start) {
   return std::chrono::duration<double, std::milli>(clock_type::now() - start).count();
 }
 
+// Polls `pred` until it holds or `bound` passes; returns whether it held.
+template <class Pred>
+bool wait_until(Pred pred, std::chrono::milliseconds bound = std::chrono::seconds(10)) {
+  const auto start = clock_type::now();
+  while (!pred()) {
+    if (clock_type::now() - start > bound) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  return true;
+}
+
 // N manual transfers and their completers.
 struct batch {
   std::vector<ferry::transfer> transfers;
@@ -78,6 +89,17 @@ struct detached {
   };
 };
 
+// A fire-and-forget coroutine with no scheduler of its own (it awaits through resume_on).
+struct detached_inline {
+  struct promise_type {
+    detached_inline get_return_object() noexcept { return {}; }
+    std::suspend_never initial_suspend() noexcept { return {}; }
+    std::suspend_never final_suspend() noexcept { return {}; }
+    void return_void() noexcept {}
+    void unhandled_exception() noexcept { std::terminate(); }
+  };
+};
+
 // A coroutine whose frame stays until the test destroys it (final_suspend suspends).
 struct held {
   struct promise_type {
@@ -97,14 +119,18 @@ struct held {
 };
 
 // Links a waiter at the head of t's list whose continuation runs inline on the completing thread
-// and holds it there (stage 1) until the test says go (stage 2): a completer stalled between
-// publishing a completion and notifying the waiters behind this one.
-inline held stall_completer(ferry::run_loop& loop, ferry::transfer t, std::atomic<int>& stage) {
+// and holds it there (stage 1) until the test says go (stage 2), then for `linger` more: a
+// completer stalled between publishing a completion and notifying the waiters behind this one.
+inline held stall_completer(ferry::run_loop& loop, ferry::transfer t, std::atomic<int>& stage,
+                            std::chrono::microseconds linger = std::chrono::microseconds(0)) {
   (void)loop;
   ferry::inline_scheduler here;
   (void)co_await ferry::resume_on(here, t);
   stage.store(1);
   while (stage.load() != 2) std::this_thread::yield();
+  const auto until = clock_type::now() + linger;
+  while (clock_type::now() < until) {
+  }
 }
 
 // co_await hop{loop}: continue on the loop's thread.

@@ -166,9 +166,18 @@ class progress_executor {
   }
 
   // After this returns, the executor never calls `source` again (not even from a round that was
-  // already running when it was called).
+  // already running when it was called). Must not be called on the executor's own thread: a
+  // continuation resumed inline there may be running inside `source`'s own poll(), which would go
+  // on using it once it is gone. That is reported and the process aborts.
   template <completion_source S>
   void remove_source(S& source) noexcept {
+    if (on_executor_thread()) {
+      std::fprintf(stderr,
+                   "ferry: a completion source (backend) was destroyed on its progress executor's "
+                   "thread, from a continuation resumed inline; destroy backends from another "
+                   "thread\n");
+      std::abort();
+    }
     int fd = -1;
     {
       std::lock_guard lock(sources_mutex_);
@@ -182,14 +191,6 @@ class progress_executor {
       generation_.fetch_add(1, std::memory_order_seq_cst);
     }
     if (fd >= 0) ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, fd, nullptr);
-    if (on_executor_thread()) {
-      // Called from inside a round (a continuation resumed inline): stop the running round from
-      // reaching it too.
-      for (auto& e : round_sources_) {
-        if (e.object == &source) e.object = nullptr;
-      }
-      return;
-    }
     sync();
   }
 
@@ -323,10 +324,7 @@ class progress_executor {
 
   std::size_t poll_sources() {
     std::size_t handled = 0;
-    for (std::size_t i = 0; i < round_sources_.size(); ++i) {
-      const source_entry& e = round_sources_[i];
-      if (e.object != nullptr) handled += e.poll(e.object, options_.poll_budget);
-    }
+    for (const source_entry& e : round_sources_) handled += e.poll(e.object, options_.poll_budget);
     return handled;
   }
 
@@ -344,7 +342,7 @@ class progress_executor {
     detail::full_barrier();
     std::size_t late = poll_sources();
     for (const source_entry& e : round_sources_) {
-      if (e.object != nullptr && e.arm != nullptr && !e.arm(e.object)) ++late;
+      if (e.arm != nullptr && !e.arm(e.object)) ++late;
     }
     if (late != 0 || stop_.load(std::memory_order_acquire) ||
         timers_.next_deadline() <= detail::clock::now()) {

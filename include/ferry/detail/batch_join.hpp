@@ -243,11 +243,14 @@ class batch_join : private timer_node {
       return;
     }
     if (r.verdict != verdict::failed) return;
+    // Settle first, then read the record: a failure whose delivery ended after the record was read
+    // would otherwise be missed although the counter says everything has been delivered.
+    const bool settled = deliveries_settle();
     while (failure_lock_.exchange(true, std::memory_order_acquire)) cpu_relax();
     r.first_failed = first_failed_;
     r.error = first_error_;
     failure_lock_.store(false, std::memory_order_release);
-    if (!deliveries_settle()) {
+    if (!settled) {
       const batch_result look = poll_all(members);
       if (look.first_failed) {
         r.first_failed = look.first_failed;
@@ -259,7 +262,10 @@ class batch_join : private timer_node {
   // True once no failure anywhere is still being delivered. The failure that decided this verdict
   // is usually still finishing its own delivery when the waiter runs, so give in-flight deliveries
   // a few microseconds to end before falling back to looking at every member.
+  // A thread that is itself delivering a failure (a continuation resumed inline) could never see
+  // the counter reach zero: it looks at the members at once instead.
   static bool deliveries_settle() noexcept {
+    if (failures_delivered_here != 0) return false;
     for (int i = 0; i < 4096; ++i) {
       if (failures_in_delivery.load(std::memory_order_acquire) == 0) return true;
       cpu_relax();

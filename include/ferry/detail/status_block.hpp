@@ -47,6 +47,9 @@ struct waiter {
 // than the one it saw has already reached it.
 inline std::atomic<std::uint64_t> failures_in_delivery{0};
 
+// How many of those this thread is delivering right now (nested when continuations resume inline).
+inline thread_local std::uint32_t failures_delivered_here = 0;
+
 // "First failure in time" is decided by this sequence. Successes take no number: no verdict depends
 // on the order of successes, and skipping them keeps the success path free of a shared counter.
 inline std::atomic<std::uint64_t> failure_sequence{0};
@@ -99,6 +102,7 @@ class alignas(64) status_block {
       // Counted before the sequence number is taken, and the number taken with acq_rel: whoever
       // sees a later number also sees this failure counted until it has been delivered.
       failures_in_delivery.fetch_add(1, std::memory_order_relaxed);
+      ++failures_delivered_here;
       sequence_ = failure_sequence.fetch_add(1, std::memory_order_acq_rel) + 1;
     } else {
       ec = {};
@@ -134,7 +138,10 @@ class alignas(64) status_block {
       }
       unlock();
     }
-    if (failure) failures_in_delivery.fetch_sub(1, std::memory_order_release);
+    if (failure) {
+      --failures_delivered_here;
+      failures_in_delivery.fetch_sub(1, std::memory_order_release);
+    }
     return true;
   }
 
