@@ -131,38 +131,52 @@ void run_when_all(const options& opt) {
   const std::vector<std::size_t> sizes = {1, 64, 4096, 65536};
   const auto baseline_deadline = std::chrono::milliseconds(opt.quick ? 20 : 50);
   std::printf("\n## when_all verdict latency after a failure at index k of N pending members\n\n");
-  std::printf("Medians over repeated rounds; the baseline waits member by member with a %lld ms "
+  std::printf("Medians over interleaved passes; the baseline waits member by member with a %lld ms "
               "shared deadline.\n\n",
               static_cast<long long>(baseline_deadline.count()));
   std::printf("| N | k | ferry co_await | ferry wait_all | member-by-member baseline | baseline saw "
               "the failure |\n|---|---|---|---|---|---|\n");
-  double lo = 1e300, hi = 0;
-  double lo_b = 1e300, hi_b = 0;
+  // Every configuration is measured once per pass, passes repeated: drift in the machine's load
+  // then lands on all of them alike instead of on whichever ran during a noisy second.
+  struct config {
+    std::size_t n;
+    std::size_t k;
+    std::vector<double> co, blocking;
+  };
+  std::vector<config> configs;
   for (std::size_t n : sizes) {
     std::vector<std::size_t> ks = {0, n / 2, n - 1};
     ks.erase(std::unique(ks.begin(), ks.end()), ks.end());
-    const int reps = opt.quick ? (n >= 4096 ? 3 : 7) : (n >= 65536 ? 9 : 21);
-    for (std::size_t k : ks) {
-      (void)ferry_round(n, k, waiter_kind::coroutine);  // warm-up: pools, pages, timer thread
-      (void)ferry_round(n, k, waiter_kind::blocking);
-      std::vector<double> co, blocking;
-      for (int r = 0; r < reps; ++r) {
-        co.push_back(ferry_round(n, k, waiter_kind::coroutine));
-        blocking.push_back(ferry_round(n, k, waiter_kind::blocking));
-      }
-      bool saw = false;
-      std::vector<double> base;
-      for (int r = 0; r < (opt.quick ? 1 : 3); ++r) base.push_back(baseline_round(n, k, baseline_deadline, saw));
-      const double c50 = summarize(co).p50;
-      const double b50 = summarize(blocking).p50;
-      lo = std::min(lo, c50);
-      hi = std::max(hi, c50);
-      lo_b = std::min(lo_b, b50);
-      hi_b = std::max(hi_b, b50);
-      std::printf("| %zu | %zu | %s | %s | %s | %s |\n", n, k, human_ns(c50).c_str(),
-                  human_ns(b50).c_str(), human_ns(summarize(base).p50).c_str(),
-                  saw ? "yes" : "no (timed out)");
+    for (std::size_t k : ks) configs.push_back({n, k, {}, {}});
+  }
+  for (config& c : configs) {  // warm-up: pools, pages, the timer thread
+    (void)ferry_round(c.n, c.k, waiter_kind::coroutine);
+    (void)ferry_round(c.n, c.k, waiter_kind::blocking);
+  }
+  const int passes = opt.quick ? 5 : 15;
+  for (int pass = 0; pass < passes; ++pass) {
+    for (config& c : configs) {
+      c.co.push_back(ferry_round(c.n, c.k, waiter_kind::coroutine));
+      c.blocking.push_back(ferry_round(c.n, c.k, waiter_kind::blocking));
     }
+  }
+  double lo = 1e300, hi = 0;
+  double lo_b = 1e300, hi_b = 0;
+  for (config& c : configs) {
+    bool saw = false;
+    std::vector<double> base;
+    for (int r = 0; r < (opt.quick ? 1 : 3); ++r) {
+      base.push_back(baseline_round(c.n, c.k, baseline_deadline, saw));
+    }
+    const double c50 = summarize(c.co).p50;
+    const double b50 = summarize(c.blocking).p50;
+    lo = std::min(lo, c50);
+    hi = std::max(hi, c50);
+    lo_b = std::min(lo_b, b50);
+    hi_b = std::max(hi_b, b50);
+    std::printf("| %zu | %zu | %s | %s | %s | %s |\n", c.n, c.k, human_ns(c50).c_str(),
+                human_ns(b50).c_str(), human_ns(summarize(base).p50).c_str(),
+                saw ? "yes" : "no (timed out)");
   }
   char buf[128];
   std::snprintf(buf, sizeof buf, "max/min %.2f (co_await), %.2f (wait_all)", hi / lo, hi_b / lo_b);
