@@ -40,7 +40,14 @@ enum class batch_mode : std::uint8_t {
 
 inline constexpr std::size_t max_batch_members = std::numeric_limits<std::uint32_t>::max() - 1;
 
-class batch_join : private timer_node {
+class batch_join;
+
+// The join's deadline: a timer node that knows its join.
+struct join_deadline : timer_node {
+  batch_join* owner = nullptr;
+};
+
+class batch_join {
  public:
   // Delivers a verdict decided by another thread: posts the coroutine, or wakes the blocked thread.
   using deliver_fn = void (*)(batch_join*) noexcept;
@@ -70,11 +77,12 @@ class batch_join : private timer_node {
   bool start(std::span<const transfer> members, timer_service* timers,
              clock::time_point deadline) {
     if (timers != nullptr) {
-      timer_node::deadline = deadline;
-      timer_node::fire = &on_deadline;
+      timer_.deadline = deadline;
+      timer_.fire = &on_deadline;
+      timer_.owner = this;
       refs_.fetch_add(1, std::memory_order_relaxed);  // the armed timer's reference
       try {
-        timers->arm(*this);
+        timers->arm(timer_);
       } catch (...) {
         refs_.fetch_sub(1, std::memory_order_relaxed);
         throw;
@@ -118,9 +126,22 @@ class batch_join : private timer_node {
     }
   }
 
-  // The verdict, completed on the waiting side (see settle()).
+  // The verdict, worked out on the waiting side from the word as it was decided and the failure
+  // record (see settle()).
   [[nodiscard]] batch_result result(std::span<const transfer> members) noexcept {
-    batch_result r = result_;
+    const std::uint64_t word = decided_;
+    batch_result r;
+    r.pending = static_cast<std::size_t>(word & count_mask);
+    const bool failure_known = read_first_failure(r);
+    // In short-circuit mode a recorded failure wins even if its own CAS came after the decision:
+    // a verdict never says timed_out next to a known failure.
+    if ((word & failed) != 0 || (mode_ == batch_mode::short_circuit && failure_known)) {
+      r.verdict = verdict::failed;
+    } else if (r.pending == 0) {
+      r.verdict = failure_known ? verdict::failed : verdict::success;
+    } else {
+      r.verdict = verdict::timed_out;
+    }
     settle(r, members);
     return r;
   }
@@ -130,7 +151,7 @@ class batch_join : private timer_node {
   // completion tries to resume what is gone.
   void finish() noexcept {
     word_.fetch_or(claimed, std::memory_order_acq_rel);
-    if (timers_ != nullptr && timers_->cancel(*this)) release();
+    if (timers_ != nullptr && timers_->cancel(timer_)) release();
     release();
   }
 
@@ -175,7 +196,7 @@ class batch_join : private timer_node {
   // never called from inside start().
   void record_failure(std::size_t index, const completion_event& ev) noexcept {
     while (failure_lock_.exchange(true, std::memory_order_acquire)) cpu_relax();
-    if (!first_failed_ || ev.sequence < first_sequence_) {
+    if (first_failed_ == no_failure || ev.sequence < first_sequence_) {
       first_failed_ = index;
       first_sequence_ = ev.sequence;
       first_error_ = ev.error;
@@ -183,7 +204,19 @@ class batch_join : private timer_node {
     failure_lock_.store(false, std::memory_order_release);
   }
 
-  // One CAS per event. Returns true when this event decided the verdict (and wrote result_).
+  // Copies the failure record into `r`; false when there is none.
+  bool read_first_failure(batch_result& r) noexcept {
+    while (failure_lock_.exchange(true, std::memory_order_acquire)) cpu_relax();
+    const bool known = first_failed_ != no_failure;
+    if (known) {
+      r.first_failed = first_failed_;
+      r.error = first_error_;
+    }
+    failure_lock_.store(false, std::memory_order_release);
+    return known;
+  }
+
+  // One CAS per event. Returns true when this event decided the verdict (and recorded the word).
   bool advance(event e) noexcept {
     std::uint64_t old = word_.load(std::memory_order_relaxed);
     std::uint64_t next = 0;
@@ -197,34 +230,12 @@ class batch_join : private timer_node {
       decides = (old & claimed) == 0 && (next & registered) != 0 &&
                 ((next & (failed | timed_out)) != 0 || (next & count_mask) == 0);
       if (decides) next |= claimed;
-      // acq_rel: a decider must see every failure recorded before an earlier event's CAS, and its
-      // result_ write must not move above the claim.
+      // acq_rel: a decider must see every failure recorded before an earlier event's CAS.
     } while (!word_.compare_exchange_weak(old, next, std::memory_order_acq_rel,
                                           std::memory_order_relaxed));
-    if (decides) decide(next);
+    // Read by the waiting side once the verdict has reached it (through the post or done_).
+    if (decides) decided_ = next;
     return decides;
-  }
-
-  void decide(std::uint64_t word) noexcept {
-    const std::size_t pending = static_cast<std::size_t>(word & count_mask);
-    batch_result r;
-    r.pending = pending;
-    while (failure_lock_.exchange(true, std::memory_order_acquire)) cpu_relax();
-    if (first_failed_) {
-      r.first_failed = first_failed_;
-      r.error = first_error_;
-    }
-    failure_lock_.store(false, std::memory_order_release);
-    // In short-circuit mode a failure recorded just before this decision (its CAS not yet made)
-    // still wins: a verdict never says timed_out next to a known failure.
-    if ((word & failed) != 0 || (mode_ == batch_mode::short_circuit && r.first_failed)) {
-      r.verdict = verdict::failed;
-    } else if (pending == 0) {
-      r.verdict = r.first_failed ? verdict::failed : verdict::success;
-    } else {
-      r.verdict = verdict::timed_out;
-    }
-    result_ = r;
   }
 
   // Two corrections made by the waiting side, which still holds the members, so that neither costs
@@ -246,10 +257,7 @@ class batch_join : private timer_node {
     // Settle first, then read the record: a failure whose delivery ended after the record was read
     // would otherwise be missed although the counter says everything has been delivered.
     const bool settled = deliveries_settle();
-    while (failure_lock_.exchange(true, std::memory_order_acquire)) cpu_relax();
-    r.first_failed = first_failed_;
-    r.error = first_error_;
-    failure_lock_.store(false, std::memory_order_release);
+    read_first_failure(r);
     if (!settled) {
       const batch_result look = poll_all(members);
       if (look.first_failed) {
@@ -267,7 +275,7 @@ class batch_join : private timer_node {
   static bool deliveries_settle() noexcept {
     if (failures_delivered_here != 0) return false;
     for (int i = 0; i < 4096; ++i) {
-      if (failures_in_delivery.load(std::memory_order_acquire) == 0) return true;
+      if (failures.in_delivery.load(std::memory_order_acquire) == 0) return true;
       cpu_relax();
     }
     return false;
@@ -285,7 +293,7 @@ class batch_join : private timer_node {
   }
 
   static void on_deadline(timer_node* t) noexcept {
-    auto* self = static_cast<batch_join*>(t);
+    batch_join* self = static_cast<join_deadline*>(t)->owner;
     if (self->advance(event::timeout)) self->deliver_(self);
     self->release();
   }
@@ -303,21 +311,27 @@ class batch_join : private timer_node {
 
   void release() noexcept;
 
-  // What a deciding completion touches comes first, to keep its cache misses few.
+  static constexpr std::size_t no_failure = std::numeric_limits<std::size_t>::max();
+
+  // What deciding and delivering touch sits in the first two cache lines: every line the completing
+  // thread must fetch adds to the verdict's latency, and more so when N is large and nothing is in
+  // cache.
   std::atomic<std::uint64_t> word_;
   std::atomic<std::size_t> refs_{1};  // the waiting side, linked members, the armed timer
+  std::uint64_t decided_ = 0;         // word_ as the deciding CAS left it
+  deliver_fn deliver_ = nullptr;
+  std::coroutine_handle<> continuation_;
   std::atomic<std::uint32_t> done_{0};  // futex word for a blocked waiter
   std::atomic<bool> failure_lock_{false};
   batch_mode mode_;
   std::uint8_t size_class_;
-  deliver_fn deliver_ = nullptr;
-  std::coroutine_handle<> continuation_;
-  any_scheduler scheduler_;
-  std::optional<std::size_t> first_failed_;
+  std::size_t first_failed_ = no_failure;
   std::uint64_t first_sequence_ = 0;
   std::error_code first_error_;
-  batch_result result_;
+  any_scheduler scheduler_;
+  // Cold: only the timeout path and finish().
   timer_service* timers_ = nullptr;
+  join_deadline timer_;
 };
 
 static_assert(alignof(batch_join) >= alignof(waiter));

@@ -42,17 +42,20 @@ struct waiter {
   bool linked = false;
 };
 
-// Failures whose completion has been published but whose waiters have not all been notified yet.
-// A batch wait that reports a failure checks it: while it is zero, every failure earlier in time
-// than the one it saw has already reached it.
-inline std::atomic<std::uint64_t> failures_in_delivery{0};
-
 // How many of those this thread is delivering right now (nested when continuations resume inline).
 inline thread_local std::uint32_t failures_delivered_here = 0;
 
-// "First failure in time" is decided by this sequence. Successes take no number: no verdict depends
-// on the order of successes, and skipping them keeps the success path free of a shared counter.
-inline std::atomic<std::uint64_t> failure_sequence{0};
+// "First failure in time" is decided by `sequence`. Successes take no number: no verdict depends on
+// the order of successes, and skipping them keeps the success path free of a shared counter.
+// `in_delivery` counts failures whose completion has been published but whose waiters have not all
+// been notified yet: a batch wait that reports a failure checks it, since while it is zero every
+// failure earlier in time than the one it saw has already reached it. Both share one cache line,
+// which a failing completion touches once.
+struct alignas(64) failure_clock {
+  std::atomic<std::uint64_t> sequence{0};
+  std::atomic<std::uint64_t> in_delivery{0};
+};
+inline failure_clock failures;
 
 class alignas(64) status_block {
  public:
@@ -101,9 +104,9 @@ class alignas(64) status_block {
                                                                     : errc::unspecified_failure);
       // Counted before the sequence number is taken, and the number taken with acq_rel: whoever
       // sees a later number also sees this failure counted until it has been delivered.
-      failures_in_delivery.fetch_add(1, std::memory_order_relaxed);
+      failures.in_delivery.fetch_add(1, std::memory_order_relaxed);
       ++failures_delivered_here;
-      sequence_ = failure_sequence.fetch_add(1, std::memory_order_acq_rel) + 1;
+      sequence_ = failures.sequence.fetch_add(1, std::memory_order_acq_rel) + 1;
     } else {
       ec = {};
     }
@@ -140,7 +143,7 @@ class alignas(64) status_block {
     }
     if (failure) {
       --failures_delivered_here;
-      failures_in_delivery.fetch_sub(1, std::memory_order_release);
+      failures.in_delivery.fetch_sub(1, std::memory_order_release);
     }
     return true;
   }
