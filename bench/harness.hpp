@@ -13,6 +13,9 @@
 #include <thread>
 #include <vector>
 
+#include <pthread.h>
+#include <sched.h>
+
 namespace ferry_bench {
 
 using bench_clock = std::chrono::steady_clock;
@@ -105,6 +108,32 @@ struct spinning_coroutine {
     void return_void() noexcept {}
     void unhandled_exception() noexcept { std::terminate(); }
   };
+};
+
+// Threads that hand work to each other are pinned to different CPUs, so that a measurement never
+// includes the two sharing one.
+inline void pin_to(unsigned cpu) {
+  if (std::thread::hardware_concurrency() < 2) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu % std::thread::hardware_concurrency(), &set);
+  ::pthread_setaffinity_np(::pthread_self(), sizeof set, &set);
+}
+
+// Pins the calling thread for a scope and restores its affinity afterwards, so that one section's
+// pinning never squeezes a later section's threads onto one core.
+class pinned_scope {
+ public:
+  explicit pinned_scope(unsigned cpu) {
+    ::pthread_getaffinity_np(::pthread_self(), sizeof saved_, &saved_);
+    pin_to(cpu);
+  }
+  ~pinned_scope() { ::pthread_setaffinity_np(::pthread_self(), sizeof saved_, &saved_); }
+  pinned_scope(const pinned_scope&) = delete;
+  pinned_scope& operator=(const pinned_scope&) = delete;
+
+ private:
+  cpu_set_t saved_{};
 };
 
 // Spin-wait helper for handshakes between benchmark threads.

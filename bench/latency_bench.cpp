@@ -11,9 +11,6 @@
 #include <thread>
 #include <vector>
 
-#include <pthread.h>
-#include <sched.h>
-
 #include <ferry/ferry.hpp>
 
 #include "bench.hpp"
@@ -21,30 +18,6 @@
 
 namespace ferry_bench {
 namespace {
-
-void pin_to(unsigned cpu) {
-  if (std::thread::hardware_concurrency() < 2) return;
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  CPU_SET(cpu % std::thread::hardware_concurrency(), &set);
-  ::pthread_setaffinity_np(::pthread_self(), sizeof set, &set);
-}
-
-// Pins the calling thread for a scope and restores its affinity afterwards, so that one section's
-// pinning never squeezes a later section's threads onto one core.
-class pinned_scope {
- public:
-  explicit pinned_scope(unsigned cpu) {
-    ::pthread_getaffinity_np(::pthread_self(), sizeof saved_, &saved_);
-    pin_to(cpu);
-  }
-  ~pinned_scope() { ::pthread_setaffinity_np(::pthread_self(), sizeof saved_, &saved_); }
-  pinned_scope(const pinned_scope&) = delete;
-  pinned_scope& operator=(const pinned_scope&) = delete;
-
- private:
-  cpu_set_t saved_{};
-};
 
 // One iteration's handshake between the completing thread and the waiting thread.
 struct handshake {

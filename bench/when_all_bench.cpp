@@ -59,7 +59,9 @@ double ferry_round(std::size_t n, std::size_t k, waiter_kind kind) {
     cs.push_back(std::move(c));
   }
   round_state st;
+  const pinned_scope pinned(0);
   std::thread waiter([&] {
+    pin_to(1);
     if (kind == waiter_kind::coroutine) {
       spinning_scheduler loop;
       await_batch(loop, ts, st);
@@ -99,7 +101,9 @@ double baseline_round(std::size_t n, std::size_t k, std::chrono::milliseconds de
   std::atomic<std::int64_t> t0{0};
   double latency = 0;
   bool failed = false;
+  const pinned_scope pinned(0);
   std::thread waiter([&] {
+    pin_to(1);
     const auto until = bench_clock::now() + deadline;
     waiting.store(true, std::memory_order_release);
     for (auto& m : members) {
