@@ -41,7 +41,6 @@ std::vector<double> measure(int iterations, Prepare prepare, Wait wait_side, Com
   std::vector<double> samples;
   samples.reserve(static_cast<std::size_t>(iterations));
   handshake h;
-  std::atomic<bool> stop{false};
   std::thread waiter([&] {
     pin_to(1);
     for (int i = 0; i < iterations; ++i) {
@@ -50,7 +49,6 @@ std::vector<double> measure(int iterations, Prepare prepare, Wait wait_side, Com
       samples.push_back(wait_side(h));
       h.done.store(true, std::memory_order_release);
     }
-    (void)stop;
   });
   const pinned_scope pinned(0);
   for (int i = 0; i < iterations; ++i) {

@@ -17,7 +17,6 @@
 #include <cstdlib>
 #include <mutex>
 #include <stdexcept>
-#include <string>
 #include <system_error>
 #include <thread>
 #include <vector>

@@ -11,9 +11,9 @@
 #include "ferry/detail/batch_join.hpp"
 #include "ferry/detail/timeout.hpp"
 #include "ferry/detail/timer_service.hpp"
+#include "ferry/poll_all.hpp"
 #include "ferry/scheduler.hpp"
 #include "ferry/transfer.hpp"
-#include "ferry/wait_all.hpp"
 
 namespace ferry {
 

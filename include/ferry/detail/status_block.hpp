@@ -243,13 +243,13 @@ class alignas(64) status_block {
     }
   }
 
-  std::uint32_t lock() noexcept {
+  void lock() noexcept {
     std::uint32_t v = word_.load(std::memory_order_relaxed);
     for (;;) {
       if ((v & lock_bit) == 0 &&
           word_.compare_exchange_weak(v, v | lock_bit, std::memory_order_acquire,
                                       std::memory_order_relaxed)) {
-        return v | lock_bit;
+        return;
       }
       cpu_relax();
       v = word_.load(std::memory_order_relaxed);
