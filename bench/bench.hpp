@@ -9,5 +9,7 @@ struct options {
 void run_latency(const options& opt);
 void run_when_all(const options& opt);
 void run_throughput(const options& opt);
+void run_uring(const options& opt);  // only where liburing was found
+void run_tcp(const options& opt);
 
 }  // namespace ferry_bench

@@ -1,5 +1,6 @@
 // ferry's microbenchmarks. Every figure is measured in this process, next to its baseline, and the
-// targets are printed as ratios. Usage: ferry_bench [--quick] [latency] [when_all] [throughput]
+// targets are printed as ratios.
+// Usage: ferry_bench [--quick] [latency] [when_all] [throughput] [uring] [tcp]
 
 #include <cstdio>
 #include <cstring>
@@ -11,7 +12,7 @@
 
 int main(int argc, char** argv) {
   ferry_bench::options opt;
-  bool latency = false, when_all = false, throughput = false;
+  bool latency = false, when_all = false, throughput = false, uring = false, tcp = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--quick") {
@@ -22,18 +23,31 @@ int main(int argc, char** argv) {
       when_all = true;
     } else if (a == "throughput") {
       throughput = true;
+    } else if (a == "uring") {
+      uring = true;
+    } else if (a == "tcp") {
+      tcp = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--quick] [latency] [when_all] [throughput]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--quick] [latency] [when_all] [throughput] [uring] [tcp]\n",
+                   argv[0]);
       return 2;
     }
   }
-  if (!latency && !when_all && !throughput) latency = when_all = throughput = true;
+  if (!latency && !when_all && !throughput && !uring && !tcp) {
+    latency = when_all = throughput = uring = tcp = true;
+  }
 
   std::printf("# ferry benchmarks%s (%u hardware threads)\n", opt.quick ? " (quick)" : "",
               std::thread::hardware_concurrency());
   if (latency) ferry_bench::run_latency(opt);
   if (when_all) ferry_bench::run_when_all(opt);
   if (throughput) ferry_bench::run_throughput(opt);
+#if FERRY_BENCH_URING
+  if (uring) ferry_bench::run_uring(opt);
+  if (tcp) ferry_bench::run_tcp(opt);
+#else
+  if (uring || tcp) std::printf("\n## io_uring and TCP\n\nskipped: built without liburing\n");
+#endif
 
   std::printf("\n## Targets\n\n| target | measured | |\n|---|---|---|\n");
   for (const auto& t : ferry_bench::targets()) {

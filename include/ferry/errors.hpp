@@ -18,6 +18,13 @@ enum class errc : int {
   backend_shut_down,
   unspecified_failure,
   batch_too_large,
+  empty_buffer,
+  end_of_file,
+  connection_closed,
+  connection_broken,
+  block_too_large,
+  bad_frame,
+  outside_registered_buffer,
 };
 
 namespace detail {
@@ -48,6 +55,21 @@ class error_category_impl final : public std::error_category {
         return "transfer failed without an error code (completer::fail got an empty error_code)";
       case errc::batch_too_large:
         return "batch has more members than ferry can track in one wait (2^32 - 1)";
+      case errc::empty_buffer:
+        return "buffer to read into or write from is empty";
+      case errc::end_of_file:
+        return "file ended before the read filled its buffer (partial data is not a success)";
+      case errc::connection_closed:
+        return "peer closed the connection before the block was complete";
+      case errc::connection_broken:
+        return "an earlier transfer on this connection failed part-way, so its byte stream is out "
+               "of step and no later block can be framed";
+      case errc::block_too_large:
+        return "received block is larger than the destination buffer";
+      case errc::bad_frame:
+        return "received bytes are not a ferry block header (the peer is not speaking ferry's framing)";
+      case errc::outside_registered_buffer:
+        return "buffer does not lie inside the registered (fixed) buffer it names";
     }
     return "unknown ferry error " + std::to_string(value);
   }

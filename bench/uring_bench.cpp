@@ -1,0 +1,456 @@
+// io_uring file reads and TCP blocks: ferry next to a raw liburing loop, fio's io_uring engine and
+// plain blocking sockets, on the same file, flags and sizes, in one run.
+
+#include <liburing.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <coroutine>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fcntl.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <ferry/run_loop.hpp>
+#include <ferry/uring/aligned_buffer.hpp>
+#include <ferry/uring/ring.hpp>
+#include <ferry/uring/tcp.hpp>
+
+#include "bench.hpp"
+#include "harness.hpp"
+
+namespace ferry_bench {
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+namespace uring = ferry::uring;
+
+constexpr std::size_t page = 4096;
+
+struct workload {
+  const char* name;
+  std::size_t block;
+  unsigned depth;
+  bool random;
+};
+
+// Offsets every runner draws the same way: uniformly over whole blocks (random) or in order.
+class offsets {
+ public:
+  offsets(std::size_t file_size, std::size_t block, bool random, unsigned seed)
+      : blocks_(file_size / block), block_(block), random_(random), rng_(seed) {}
+  std::uint64_t next() {
+    const std::uint64_t b = random_ ? rng_() % blocks_ : next_++ % blocks_;
+    return b * block_;
+  }
+
+ private:
+  std::uint64_t blocks_, block_;
+  bool random_;
+  std::uint64_t next_ = 0;
+  std::mt19937_64 rng_;
+};
+
+struct test_file {
+  std::string path;
+  int fd = -1;
+  bool direct = false;
+  std::size_t size = 0;
+
+  test_file(std::size_t bytes) : size(bytes) {
+    const char* dir = std::getenv("FERRY_BENCH_DIR");
+    path = (dir != nullptr ? std::filesystem::path(dir) : std::filesystem::temp_directory_path()) /
+           ("ferry-bench-" + std::to_string(::getpid()));
+    const int w = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (w < 0) throw std::system_error(errno, std::system_category(), "create " + path);
+    std::vector<char> chunk(1 << 20);
+    for (std::size_t i = 0; i < chunk.size(); ++i) chunk[i] = static_cast<char>(i * 7);
+    for (std::size_t done = 0; done < bytes; done += chunk.size()) {
+      if (::write(w, chunk.data(), chunk.size()) != static_cast<ssize_t>(chunk.size())) {
+        throw std::system_error(errno, std::system_category(), "write " + path);
+      }
+    }
+    ::fsync(w);
+    ::close(w);
+    fd = ::open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+    direct = fd >= 0;
+    if (!direct) fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  }
+  ~test_file() {
+    ::close(fd);
+    ::unlink(path.c_str());
+  }
+};
+
+// ---- ferry, coroutines: `depth` coroutines on a run_loop, each awaiting one read at a time. ----
+
+struct loop_coroutine {
+  struct promise_type {
+    ferry::run_loop& loop;
+    template <class... Args>
+    promise_type(ferry::run_loop& l, Args&&...) : loop(l) {}
+    ferry::run_loop& get_scheduler() noexcept { return loop; }
+    loop_coroutine get_return_object() noexcept { return {}; }
+    std::suspend_never initial_suspend() noexcept { return {}; }
+    std::suspend_never final_suspend() noexcept { return {}; }
+    void return_void() noexcept {}
+    void unhandled_exception() noexcept { std::terminate(); }
+  };
+};
+
+loop_coroutine reader(ferry::run_loop& loop, uring::ring& r, int fd, std::span<std::byte> buf,
+                      offsets& where, clock_type::time_point until, std::uint64_t& done,
+                      std::uint64_t& errors, unsigned& running) {
+  while (clock_type::now() < until) {
+    const ferry::transfer_state s = co_await r.read(fd, buf, where.next());
+    if (s == ferry::transfer_state::success) {
+      ++done;
+    } else {
+      ++errors;
+    }
+  }
+  if (--running == 0) loop.stop();
+}
+
+double ferry_coroutines(uring::ring& r, const test_file& f, const workload& w, double seconds) {
+  ferry::run_loop loop;
+  uring::aligned_buffer bufs(w.block * w.depth);
+  offsets where(f.size, w.block, w.random, 1);
+  std::uint64_t done = 0, errors = 0;
+  unsigned running = w.depth;
+  const auto start = clock_type::now();
+  const auto until = start + std::chrono::duration<double>(seconds);
+  for (unsigned i = 0; i < w.depth; ++i) {
+    reader(loop, r, f.fd, bufs.subspan(i * w.block, w.block), where,
+           std::chrono::time_point_cast<clock_type::duration>(until), done, errors, running);
+  }
+  loop.run();
+  const double elapsed = std::chrono::duration<double>(clock_type::now() - start).count();
+  if (errors != 0) std::printf("  (ferry coroutines: %llu reads failed)\n", (unsigned long long)errors);
+  return static_cast<double>(done) / elapsed;
+}
+
+// ---- ferry, blocking: one thread keeps `depth` reads in flight and waits on the oldest. ----
+
+double ferry_blocking(uring::ring& r, const test_file& f, const workload& w, double seconds) {
+  uring::aligned_buffer bufs(w.block * w.depth);
+  offsets where(f.size, w.block, w.random, 1);
+  std::vector<ferry::transfer> window(w.depth);
+  std::uint64_t done = 0;
+  const auto start = clock_type::now();
+  const auto until = start + std::chrono::duration_cast<clock_type::duration>(
+                                 std::chrono::duration<double>(seconds));
+  for (unsigned i = 0; i < w.depth; ++i) {
+    window[i] = r.read(f.fd, bufs.subspan(i * w.block, w.block), where.next());
+  }
+  for (std::uint64_t k = 0;; ++k) {
+    const unsigned i = static_cast<unsigned>(k % w.depth);
+    if (window[i].wait() == ferry::transfer_state::success) ++done;
+    if (clock_type::now() >= until) break;
+    window[i] = r.read(f.fd, bufs.subspan(i * w.block, w.block), where.next());
+  }
+  for (auto& t : window) (void)t.wait();
+  return static_cast<double>(done) / std::chrono::duration<double>(clock_type::now() - start).count();
+}
+
+// ---- A raw liburing loop written for this benchmark: one thread, batch reap, batch resubmit. ----
+
+double raw_liburing(const test_file& f, const workload& w, double seconds) {
+  io_uring ring;
+  if (::io_uring_queue_init(std::max(w.depth, 8u), &ring, 0) < 0) return 0;
+  uring::aligned_buffer bufs(w.block * w.depth);
+  offsets where(f.size, w.block, w.random, 1);
+  auto prep = [&](unsigned slot) {
+    io_uring_sqe* sqe = ::io_uring_get_sqe(&ring);
+    ::io_uring_prep_read(sqe, f.fd, bufs.data() + slot * w.block, static_cast<unsigned>(w.block),
+                         where.next());
+    ::io_uring_sqe_set_data64(sqe, slot);
+  };
+  for (unsigned i = 0; i < w.depth; ++i) prep(i);
+  std::uint64_t done = 0;
+  unsigned in_flight = w.depth;
+  const auto start = clock_type::now();
+  const auto until = start + std::chrono::duration_cast<clock_type::duration>(
+                                 std::chrono::duration<double>(seconds));
+  bool stopping = false;
+  while (in_flight != 0) {
+    ::io_uring_submit_and_wait(&ring, 1);
+    io_uring_cqe* cqes[256];
+    const unsigned n = ::io_uring_peek_batch_cqe(&ring, cqes, 256);
+    if (!stopping && clock_type::now() >= until) stopping = true;
+    for (unsigned i = 0; i < n; ++i) {
+      if (cqes[i]->res == static_cast<int>(w.block)) ++done;
+      if (stopping) {
+        --in_flight;
+      } else {
+        prep(static_cast<unsigned>(cqes[i]->user_data));
+      }
+    }
+    ::io_uring_cq_advance(&ring, n);
+  }
+  const double rate =
+      static_cast<double>(done) / std::chrono::duration<double>(clock_type::now() - start).count();
+  ::io_uring_queue_exit(&ring);
+  return rate;
+}
+
+// ---- fio's io_uring engine on the same file; 0 when fio is not installed. ----
+
+double fio_iops(const test_file& f, const workload& w, double seconds) {
+  const std::string cmd =
+      "fio --name=ferry --filename=" + f.path + " --size=" + std::to_string(f.size) +
+      " --rw=" + (w.random ? "randread" : "read") + " --bs=" + std::to_string(w.block) +
+      " --iodepth=" + std::to_string(w.depth) + " --ioengine=io_uring --direct=" +
+      (f.direct ? "1" : "0") + " --time_based --runtime=" +
+      std::to_string(std::max(1, static_cast<int>(seconds + 0.5))) +
+      " --randrepeat=0 --norandommap --output-format=json 2>/dev/null";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (p == nullptr) return 0;
+  std::string out;
+  char chunk[4096];
+  while (std::size_t n = std::fread(chunk, 1, sizeof chunk, p)) out.append(chunk, n);
+  if (::pclose(p) != 0) return 0;
+  const std::size_t read = out.find("\"read\" :");
+  if (read == std::string::npos) return 0;
+  const std::size_t iops = out.find("\"iops\" :", read);
+  if (iops == std::string::npos) return 0;
+  return std::strtod(out.c_str() + iops + 8, nullptr);
+}
+
+bool have_fio() { return std::system("fio --version >/dev/null 2>&1") == 0; }
+
+// ---- TCP: framed blocks one way over loopback, ferry against blocking sockets. ----
+
+double ferry_tcp(std::size_t block, double seconds) {
+  ferry::progress_executor exec;
+  uring::ring r(exec);
+  uring::tcp_listener listener("127.0.0.1", 0);
+  auto client = uring::tcp_connection::connect(r, "127.0.0.1", listener.port());
+  auto server = listener.accept(r);
+  constexpr unsigned window = 4;
+  constexpr std::uint64_t end_marker = ~std::uint64_t{0};
+  std::vector<std::byte> payload(block, std::byte{7});
+  std::atomic<bool> stop{false};
+  std::thread sender([&] {
+    std::vector<ferry::transfer> ts(window);
+    for (std::uint64_t k = 0; !stop.load(std::memory_order_relaxed); ++k) {
+      ferry::transfer& t = ts[k % window];
+      if (t.valid()) (void)t.wait();
+      t = client.send(k, payload);
+    }
+    for (auto& t : ts) (void)t.wait();
+    (void)client.send(end_marker, {}).wait();
+  });
+  std::vector<std::vector<std::byte>> dst(window, std::vector<std::byte>(block));
+  std::vector<uring::received_block> got(window);
+  std::vector<ferry::transfer> ts(window);
+  std::uint64_t bytes = 0;
+  double elapsed = 0;
+  const auto start = clock_type::now();
+  const auto until = start + std::chrono::duration_cast<clock_type::duration>(
+                                 std::chrono::duration<double>(seconds));
+  for (unsigned i = 0; i < window; ++i) ts[i] = server.receive(dst[i], got[i]);
+  for (std::uint64_t k = 0;; ++k) {
+    const unsigned i = static_cast<unsigned>(k % window);
+    if (ts[i].wait() != ferry::transfer_state::success || got[i].id == end_marker) break;
+    if (elapsed == 0) {
+      bytes += got[i].length;
+      if (clock_type::now() >= until) {
+        elapsed = std::chrono::duration<double>(clock_type::now() - start).count();
+        stop = true;
+      }
+    }
+    ts[i] = server.receive(dst[i], got[i]);
+  }
+  sender.join();
+  server.close();
+  for (auto& t : ts) (void)t.wait();
+  return static_cast<double>(bytes) / elapsed;
+}
+
+bool send_all(int fd, const iovec* iov, int n) {
+  iovec v[2] = {iov[0], iov[1]};
+  msghdr m{};
+  m.msg_iov = v;
+  m.msg_iovlen = static_cast<std::size_t>(n);
+  while (m.msg_iovlen != 0) {
+    ssize_t w = ::sendmsg(fd, &m, MSG_NOSIGNAL);
+    if (w <= 0) return false;
+    while (m.msg_iovlen != 0 && static_cast<std::size_t>(w) >= m.msg_iov->iov_len) {
+      w -= static_cast<ssize_t>(m.msg_iov->iov_len);
+      ++m.msg_iov;
+      --m.msg_iovlen;
+    }
+    if (m.msg_iovlen != 0) {
+      m.msg_iov->iov_base = static_cast<char*>(m.msg_iov->iov_base) + w;
+      m.msg_iov->iov_len -= static_cast<std::size_t>(w);
+    }
+  }
+  return true;
+}
+
+bool recv_all(int fd, void* p, std::size_t n) {
+  auto* b = static_cast<char*>(p);
+  while (n != 0) {
+    const ssize_t r = ::recv(fd, b, n, 0);
+    if (r <= 0) return false;
+    b += r;
+    n -= static_cast<std::size_t>(r);
+  }
+  return true;
+}
+
+double plain_tcp(std::size_t block, double seconds) {
+  uring::tcp_listener listener("127.0.0.1", 0);
+  const int cfd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(listener.port());
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(cfd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) return 0;
+  const int sfd = ::accept4(listener.native_handle(), nullptr, nullptr, SOCK_CLOEXEC);
+  uring::detail::set_nodelay(cfd);
+  uring::detail::set_nodelay(sfd);
+  std::vector<std::byte> payload(block, std::byte{7});
+  std::atomic<bool> stop{false};
+  std::thread sender([&] {
+    uring::detail::frame_header h;
+    h.length = block;
+    for (std::uint64_t k = 0; !stop.load(std::memory_order_relaxed); ++k) {
+      h.id = k;
+      const iovec iov[2] = {{&h, sizeof h}, {payload.data(), payload.size()}};
+      if (!send_all(cfd, iov, 2)) break;
+    }
+    ::shutdown(cfd, SHUT_WR);
+  });
+  std::vector<std::byte> dst(block);
+  std::uint64_t bytes = 0;
+  const auto start = clock_type::now();
+  const auto until = start + std::chrono::duration_cast<clock_type::duration>(
+                                 std::chrono::duration<double>(seconds));
+  uring::detail::frame_header h;
+  while (clock_type::now() < until) {
+    if (!recv_all(sfd, &h, sizeof h) || !recv_all(sfd, dst.data(), h.length)) break;
+    bytes += h.length;
+  }
+  const double elapsed = std::chrono::duration<double>(clock_type::now() - start).count();
+  stop = true;
+  while (recv_all(sfd, dst.data(), std::min<std::size_t>(dst.size(), sizeof h))) {
+  }
+  sender.join();
+  ::close(cfd);
+  ::close(sfd);
+  return static_cast<double>(bytes) / elapsed;
+}
+
+std::string rate(double per_second) {
+  char b[64];
+  if (per_second >= 1e6) {
+    std::snprintf(b, sizeof b, "%.2f M", per_second / 1e6);
+  } else {
+    std::snprintf(b, sizeof b, "%.1f k", per_second / 1e3);
+  }
+  return b;
+}
+
+double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+}  // namespace
+
+void run_uring(const options& opt) {
+  const std::string why = [] {
+    io_uring probe{};
+    const int r = ::io_uring_queue_init(4, &probe, 0);
+    if (r < 0) return std::string(std::strerror(-r));
+    ::io_uring_queue_exit(&probe);
+    return std::string();
+  }();
+  if (!why.empty()) {
+    std::printf("\n## io_uring\n\nskipped: io_uring is not available here (%s)\n", why.c_str());
+    return;
+  }
+  const double seconds = opt.quick ? 0.2 : 1.0;
+  const int passes = opt.quick ? 1 : 3;
+  test_file f(opt.quick ? (64u << 20) : (512u << 20));
+  const bool fio = have_fio();
+  std::printf("\n## io_uring file reads (%s, %zu MiB file, %s; median of %d interleaved %.1f s "
+              "passes)\n\n",
+              f.direct ? "O_DIRECT" : "buffered: the file system refused O_DIRECT", f.size >> 20,
+              fio ? "fio found" : "fio not installed", passes, seconds);
+  std::printf("| workload | ferry co_await | ferry wait() | raw liburing | fio io_uring | co_await / "
+              "raw | co_await / fio |\n|---|---|---|---|---|---|---|\n");
+  const workload loads[] = {
+      {"4 KiB random, QD 1", page, 1, true},
+      {"4 KiB random, QD 32", page, 32, true},
+      {"4 KiB random, QD 128", page, 128, true},
+      {"1 MiB sequential, QD 4", 1 << 20, 4, false},
+  };
+  ferry::progress_executor exec;
+  uring::ring r(exec, uring::ring_options{.entries = 256});
+  for (const workload& w : loads) {
+    std::vector<double> co, blocking, raw, fi;
+    for (int p = 0; p < passes; ++p) {
+      co.push_back(ferry_coroutines(r, f, w, seconds));
+      blocking.push_back(ferry_blocking(r, f, w, seconds));
+      raw.push_back(raw_liburing(f, w, seconds));
+      if (fio) fi.push_back(fio_iops(f, w, seconds));
+    }
+    const double c = median_of(co), b = median_of(blocking), rr = median_of(raw),
+                 ff = median_of(fi);
+    const bool big = w.block >= (1u << 20);
+    auto show = [&](double v) {
+      return big ? rate(v * static_cast<double>(w.block)) + "B/s" : rate(v) + "IOPS";
+    };
+    char ratio_raw[32], ratio_fio[32];
+    std::snprintf(ratio_raw, sizeof ratio_raw, "%.2f", rr > 0 ? c / rr : 0.0);
+    std::snprintf(ratio_fio, sizeof ratio_fio, "%.2f", ff > 0 ? c / ff : 0.0);
+    std::printf("| %s | %s | %s | %s | %s | %s | %s |\n", w.name, show(c).c_str(), show(b).c_str(),
+                show(rr).c_str(), fio ? show(ff).c_str() : "-", ratio_raw, fio ? ratio_fio : "-");
+    if (w.depth == 32 && w.random) {
+      report_target("io_uring 4 KiB random reads, QD 32: ferry >= 95% of raw liburing",
+                    std::string(ratio_raw) + "x", rr > 0 && c >= 0.95 * rr);
+      if (fio) {
+        report_target("io_uring 4 KiB random reads, QD 32: ferry >= 100% of fio",
+                      std::string(ratio_fio) + "x", c >= ff);
+      }
+    }
+  }
+}
+
+void run_tcp(const options& opt) {
+  const double seconds = opt.quick ? 0.2 : 1.0;
+  const int passes = opt.quick ? 1 : 3;
+  std::printf("\n## TCP over loopback, framed blocks one way (median of %d interleaved %.1f s "
+              "passes)\n\n| block | ferry (ring) | blocking sockets | ferry / sockets |\n"
+              "|---|---|---|---|\n",
+              passes, seconds);
+  for (const std::size_t block : {std::size_t{64} << 10, std::size_t{1} << 20}) {
+    std::vector<double> fe, pl;
+    for (int p = 0; p < passes; ++p) {
+      fe.push_back(ferry_tcp(block, seconds));
+      pl.push_back(plain_tcp(block, seconds));
+    }
+    const double a = median_of(fe), b = median_of(pl);
+    char ratio[32];
+    std::snprintf(ratio, sizeof ratio, "%.2f", b > 0 ? a / b : 0.0);
+    std::printf("| %zu KiB | %sB/s | %sB/s | %s |\n", block >> 10, rate(a).c_str(), rate(b).c_str(),
+                ratio);
+    report_target("TCP " + std::to_string(block >> 10) + " KiB blocks: ferry >= 90% of sockets",
+                  std::string(ratio) + "x", b > 0 && a >= 0.9 * b);
+  }
+}
+
+}  // namespace ferry_bench

@@ -1,0 +1,1138 @@
+#pragma once
+// The io_uring backend: file reads and writes at offsets (KV offload to local NVMe), and the socket
+// sends and receives under tcp.hpp, as transfers completed by the progress executor.
+//
+// Submission. Any thread prepares an operation (a pooled `op`), then publishes it last with one CAS
+// onto a lock-free stack. Only the executor thread touches the ring itself: it takes the whole stack
+// with one exchange, turns it into SQEs and submits them with one io_uring_enter per round, so calls
+// from many threads are batched without a lock and the ring needs no locking at all. The submitter
+// then calls progress_executor::notify(), which writes the executor's eventfd only if it has parked.
+//
+// Completion. The executor reaps CQEs in batches. A short read or write is resubmitted for the
+// remainder; a read that hits the end of the file fails with errc::end_of_file, so partial data is
+// never a success. Errno results are std::system_category codes.
+//
+// Bounds. At most as many operations are in flight as the completion queue has entries (cancel
+// requests included), so the CQ never overflows; beyond that, submissions wait in a FIFO backlog.
+//
+// Cancellation. cancel(t) asks the kernel with IORING_OP_ASYNC_CANCEL; the transfer turns cancelled
+// only when its own completion (-ECANCELED) arrives, so a buffer is never released while the kernel
+// may still write it. An operation still in the backlog never reached the kernel and is cancelled at
+// once.
+
+#include <liburing.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "ferry/detail/block_pool.hpp"
+#include "ferry/detail/status_block.hpp"
+#include "ferry/errors.hpp"
+#include "ferry/progress_executor.hpp"
+#include "ferry/transfer.hpp"
+
+namespace ferry::uring {
+
+// As the offset of a read or write: use and advance the descriptor's own position (pipes, sockets,
+// character devices).
+inline constexpr std::uint64_t current_position = ~std::uint64_t{0};
+
+struct ring_options {
+  unsigned entries = 256;    // submission queue entries; the completion queue gets twice as many
+  unsigned setup_flags = 0;  // extra IORING_SETUP_* flags, or'ed into ferry's own
+};
+
+// A descriptor registered with ring::register_files.
+struct fixed_file {
+  unsigned index = 0;
+};
+
+// Memory registered with ring::register_buffers. Reads and writes naming it must stay inside it.
+struct fixed_buffer {
+  unsigned index = 0;
+  std::span<std::byte> memory;
+};
+
+// The file argument of a read or write: a plain descriptor or a registered one.
+class file_ref {
+ public:
+  file_ref(int fd) noexcept : fd_(fd) {}  // NOLINT: implicit by design
+  file_ref(fixed_file f) noexcept : fd_(static_cast<int>(f.index)), fixed_(true) {}  // NOLINT
+
+  [[nodiscard]] int descriptor() const noexcept { return fd_; }
+  [[nodiscard]] bool fixed() const noexcept { return fixed_; }
+
+ private:
+  int fd_;
+  bool fixed_ = false;
+};
+
+// One block of a batched read or write.
+struct read_block {
+  std::span<std::byte> dst;
+  std::uint64_t offset = 0;
+};
+struct write_block {
+  std::span<const std::byte> src;
+  std::uint64_t offset = 0;
+};
+
+// What a received framed block carried (tcp.hpp).
+struct received_block {
+  std::uint64_t id = 0;
+  std::size_t length = 0;
+};
+
+struct ring_counters {
+  std::uint64_t submitted = 0;    // SQEs handed to the kernel, resubmissions and cancels included
+  std::uint64_t completed = 0;    // CQEs reaped
+  std::uint64_t resubmitted = 0;  // short reads and writes continued
+  std::uint64_t backlogged = 0;   // operations that waited because the ring was full
+};
+
+class ring;
+class tcp_connection;
+
+namespace detail {
+
+using ferry::detail::status_block;
+
+enum class op_kind : std::uint8_t { read, write, readv, writev, send, receive, cancel, detach };
+
+// The wire header of one framed block.
+struct frame_header {
+  static constexpr std::uint32_t magic_value = 0x31595246;  // "FRY1" read as little-endian
+  std::uint32_t magic = magic_value;
+  std::uint32_t reserved = 0;
+  std::uint64_t id = 0;
+  std::uint64_t length = 0;
+};
+static_assert(sizeof(frame_header) == 24);
+
+struct op;
+
+// A TCP connection as the ring sees it. The handle (tcp_connection), every operation naming it and
+// the ring's list of connections with queued work each hold a reference; the last one closes the
+// socket. Everything but `fd` and `refs` belongs to the executor thread.
+struct connection_state {
+  int fd = -1;
+  std::atomic<int> refs{1};
+  connection_state* list_prev = nullptr;
+  connection_state* list_next = nullptr;
+  bool listed = false;
+  op* send_head = nullptr;
+  op* send_tail = nullptr;
+  op* receive_head = nullptr;
+  op* receive_tail = nullptr;
+  bool sending = false;
+  bool receiving = false;
+  std::error_code send_error;     // once set, every later send fails with it
+  std::error_code receive_error;  // likewise for receives
+
+  void release() noexcept {
+    if (refs.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      ::close(fd);
+      delete this;
+    }
+  }
+};
+
+struct op_body {
+  op_kind kind = op_kind::read;
+  bool fixed_file = false;
+  bool cancel_requested = false;
+  bool receiving_payload = false;  // a receive has its header and is filling the payload
+  int fd = -1;
+  int buffer_index = -1;
+  std::uint32_t iov_count = 0;
+  std::uint32_t iov_at = 0;        // first iovec not yet fully transferred
+  std::size_t iov_skip = 0;        // bytes of iov[iov_at] already transferred
+  std::size_t slot = 0;            // position in ring::in_flight_
+  status_block* status = nullptr;  // the completer reference (for a cancel: a transfer reference)
+  std::byte* buffer = nullptr;
+  std::size_t length = 0;  // bytes wanted (for a receive: of the current phase)
+  std::size_t done = 0;    // bytes transferred so far (of the current phase)
+  std::uint64_t offset = 0;
+  const iovec* iov = nullptr;
+  connection_state* connection = nullptr;
+  received_block* received = nullptr;
+  op* target = nullptr;  // for a cancel: the operation it asks the kernel to cancel
+  op* next = nullptr;    // submission stack, backlog and connection queues
+  frame_header header;
+  iovec parts[2]{};  // a send: header and payload; a receive: parts[1] is the destination
+  iovec live[2]{};   // a send: what is left of parts, handed to the kernel
+  msghdr message{};
+};
+
+struct op : op_body {
+  op* pool_next_ = nullptr;  // the pool's free-list link, never poisoned
+  static constexpr std::size_t poisonable_bytes = sizeof(op_body);
+  using pool = ferry::detail::block_pool<op>;
+
+  [[nodiscard]] static op* make(op_kind kind) {
+    op* o = pool::acquire();
+    static_cast<op_body&>(*o) = op_body{};
+    o->kind = kind;
+    return o;
+  }
+};
+
+// A FIFO of operations linked through op::next.
+struct op_queue {
+  op* head = nullptr;
+  op* tail = nullptr;
+
+  [[nodiscard]] bool empty() const noexcept { return head == nullptr; }
+  void push(op* o) noexcept {
+    o->next = nullptr;
+    if (tail == nullptr) {
+      head = tail = o;
+    } else {
+      tail->next = o;
+      tail = o;
+    }
+  }
+  op* pop() noexcept {
+    op* o = head;
+    if (o != nullptr) {
+      head = o->next;
+      if (head == nullptr) tail = nullptr;
+      o->next = nullptr;
+    }
+    return o;
+  }
+  // Unlinks the operation completing `s`, if queued here.
+  op* remove(const status_block* s) noexcept {
+    op* prev = nullptr;
+    for (op* o = head; o != nullptr; prev = o, o = o->next) {
+      if (o->status != s) continue;
+      (prev == nullptr ? head : prev->next) = o->next;
+      if (tail == o) tail = prev;
+      o->next = nullptr;
+      return o;
+    }
+    return nullptr;
+  }
+};
+
+[[nodiscard]] inline std::error_code system_error_code(int err) noexcept {
+  return {err, std::system_category()};
+}
+
+}  // namespace detail
+
+class ring {
+ public:
+  explicit ring(progress_executor& exec, ring_options options = {}) : exec_(exec) {
+    if (options.entries == 0) {
+      throw std::invalid_argument("ferry::uring::ring_options::entries must be at least 1");
+    }
+    io_uring_params params{};
+    params.flags = IORING_SETUP_CLAMP | IORING_SETUP_CQSIZE | IORING_SETUP_SUBMIT_ALL |
+                   options.setup_flags;
+    params.cq_entries = 2 * options.entries;
+    int r = ::io_uring_queue_init_params(options.entries, &ring_, &params);
+    if (r == -EINVAL) {
+      // A kernel before 5.18 has no SUBMIT_ALL; ferry does not depend on it.
+      params = io_uring_params{};
+      params.flags = IORING_SETUP_CLAMP | IORING_SETUP_CQSIZE | options.setup_flags;
+      params.cq_entries = 2 * options.entries;
+      r = ::io_uring_queue_init_params(options.entries, &ring_, &params);
+    }
+    if (r < 0) {
+      throw std::system_error(-r, std::system_category(),
+                              "ferry::uring::ring: io_uring_queue_init_params(" +
+                                  std::to_string(options.entries) + " entries)");
+    }
+    limit_ = params.cq_entries;
+    in_flight_.reserve(limit_);
+    exec_.add_source(*this);
+  }
+
+  ring(const ring&) = delete;
+  ring& operator=(const ring&) = delete;
+
+  // Waits for everything the kernel still holds: operations in flight are cancelled and their own
+  // completions awaited, so no buffer is written after this returns. Operations not yet given to
+  // the kernel fail with errc::backend_shut_down. Every tcp_connection on this ring must be gone.
+  ~ring() {
+    if (connections_.load(std::memory_order_acquire) != 0) {
+      std::fprintf(stderr,
+                   "ferry: uring::ring destroyed with %d tcp_connection(s) still open on it; "
+                   "destroy connections before their ring\n",
+                   connections_.load(std::memory_order_relaxed));
+      std::abort();
+    }
+    exec_.remove_source(*this);
+    // From here this thread is the only one touching the ring.
+    shutting_down_ = true;
+    take_incoming();
+    while (op* o = backlog_.pop()) finish_unstarted(o);
+    if (!in_flight_.empty()) {
+      io_uring_sqe* sqe = next_sqe();
+      if (sqe != nullptr) {
+        ::io_uring_prep_cancel64(sqe, 0, IORING_ASYNC_CANCEL_ANY);
+        ::io_uring_sqe_set_data64(sqe, 0);
+        ++cancels_in_flight_;
+      }
+    }
+    while (!in_flight_.empty() || cancels_in_flight_ != 0) {
+      flush();
+      io_uring_cqe* cqe = nullptr;
+      const int r = ::io_uring_wait_cqe(&ring_, &cqe);
+      if (r == -EINTR) continue;
+      if (r < 0) break;  // the ring is unusable; exiting it below still waits for the kernel
+      const std::uint64_t data = cqe->user_data;
+      const int res = cqe->res;
+      ::io_uring_cqe_seen(&ring_, cqe);
+      if (data == 0) {
+        --cancels_in_flight_;
+      } else {
+        on_completion(reinterpret_cast<detail::op*>(data), res);
+      }
+    }
+    while (connections_head_ != nullptr) unlist(connections_head_);
+    ::io_uring_queue_exit(&ring_);
+  }
+
+  // Reads dst.size() bytes at `offset` (or current_position) into dst.
+  [[nodiscard]] transfer read(file_ref file, std::span<std::byte> dst, std::uint64_t offset) {
+    return submit_io(detail::op_kind::read, file, dst.data(), dst.size(), offset, -1);
+  }
+
+  // The same through a registered buffer: dst must lie inside `registered.memory`.
+  [[nodiscard]] transfer read(file_ref file, std::span<std::byte> dst, std::uint64_t offset,
+                              const fixed_buffer& registered) {
+    if (!inside(dst.data(), dst.size(), registered)) {
+      return make_completed_transfer(transfer_state::failed, errc::outside_registered_buffer);
+    }
+    return submit_io(detail::op_kind::read, file, dst.data(), dst.size(), offset,
+                     static_cast<int>(registered.index));
+  }
+
+  [[nodiscard]] transfer write(file_ref file, std::span<const std::byte> src, std::uint64_t offset) {
+    return submit_io(detail::op_kind::write, file, const_cast<std::byte*>(src.data()), src.size(),
+                     offset, -1);
+  }
+
+  [[nodiscard]] transfer write(file_ref file, std::span<const std::byte> src, std::uint64_t offset,
+                               const fixed_buffer& registered) {
+    if (!inside(src.data(), src.size(), registered)) {
+      return make_completed_transfer(transfer_state::failed, errc::outside_registered_buffer);
+    }
+    return submit_io(detail::op_kind::write, file, const_cast<std::byte*>(src.data()), src.size(),
+                     offset, static_cast<int>(registered.index));
+  }
+
+  // Scatter: fills the iovecs in order from `offset`, as one transfer. The iovec array (not only
+  // the memory it points to) must stay valid until the transfer is terminal.
+  [[nodiscard]] transfer readv(file_ref file, std::span<const iovec> iov, std::uint64_t offset) {
+    return submit_vectored(detail::op_kind::readv, file, iov, offset);
+  }
+
+  // Gather: writes the iovecs in order from `offset`, as one transfer.
+  [[nodiscard]] transfer writev(file_ref file, std::span<const iovec> iov, std::uint64_t offset) {
+    return submit_vectored(detail::op_kind::writev, file, iov, offset);
+  }
+
+  // Many blocks at once, one transfer each (out[i] for blocks[i]), published with one CAS and
+  // submitted with one system call.
+  void read_batch(file_ref file, std::span<const read_block> blocks, std::span<transfer> out) {
+    submit_batch(detail::op_kind::read, file, blocks.size(), out, [&](std::size_t i) {
+      return std::pair<std::byte*, std::size_t>{blocks[i].dst.data(), blocks[i].dst.size()};
+    }, [&](std::size_t i) { return blocks[i].offset; });
+  }
+
+  void write_batch(file_ref file, std::span<const write_block> blocks, std::span<transfer> out) {
+    submit_batch(detail::op_kind::write, file, blocks.size(), out, [&](std::size_t i) {
+      return std::pair<std::byte*, std::size_t>{const_cast<std::byte*>(blocks[i].src.data()),
+                                                blocks[i].src.size()};
+    }, [&](std::size_t i) { return blocks[i].offset; });
+  }
+
+  // Best effort: asks the kernel to cancel the operation completing `t`. If it is cancelled, `t`
+  // turns cancelled when its own completion arrives (or at once if it never reached the kernel);
+  // if it finished first, `t` keeps that result. A transfer from elsewhere is left alone.
+  void cancel(const transfer& t) {
+    if (t.status() == nullptr || t.done()) return;
+    detail::op* c = detail::op::make(detail::op_kind::cancel);
+    t.status()->add_transfer_ref();
+    c->status = t.status();
+    publish(c, c);
+  }
+
+  // Registers memory for IORING_OP_READ_FIXED / WRITE_FIXED (once per ring).
+  [[nodiscard]] std::vector<fixed_buffer> register_buffers(
+      std::span<const std::span<std::byte>> buffers) {
+    std::vector<iovec> iov;
+    iov.reserve(buffers.size());
+    for (const auto& b : buffers) iov.push_back(iovec{b.data(), b.size()});
+    const int r = ::io_uring_register_buffers(&ring_, iov.data(), static_cast<unsigned>(iov.size()));
+    if (r < 0) {
+      throw std::system_error(-r, std::system_category(),
+                              "ferry::uring::ring::register_buffers (" +
+                                  std::to_string(buffers.size()) + " buffers)");
+    }
+    std::vector<fixed_buffer> out;
+    out.reserve(buffers.size());
+    for (std::size_t i = 0; i < buffers.size(); ++i) {
+      out.push_back(fixed_buffer{static_cast<unsigned>(i), buffers[i]});
+    }
+    return out;
+  }
+
+  // Registers descriptors for IOSQE_FIXED_FILE (once per ring).
+  [[nodiscard]] std::vector<fixed_file> register_files(std::span<const int> fds) {
+    const int r = ::io_uring_register_files(&ring_, fds.data(), static_cast<unsigned>(fds.size()));
+    if (r < 0) {
+      throw std::system_error(-r, std::system_category(),
+                              "ferry::uring::ring::register_files (" + std::to_string(fds.size()) +
+                                  " descriptors)");
+    }
+    std::vector<fixed_file> out;
+    out.reserve(fds.size());
+    for (std::size_t i = 0; i < fds.size(); ++i) out.push_back(fixed_file{static_cast<unsigned>(i)});
+    return out;
+  }
+
+  // How many operations the kernel may hold at once (the completion queue's size).
+  [[nodiscard]] unsigned in_flight_limit() const noexcept { return limit_; }
+
+  [[nodiscard]] ring_counters counters() const noexcept {
+    ring_counters c;
+    c.submitted = submitted_.load(std::memory_order_relaxed);
+    c.completed = completed_.load(std::memory_order_relaxed);
+    c.resubmitted = resubmitted_.load(std::memory_order_relaxed);
+    c.backlogged = backlogged_.load(std::memory_order_relaxed);
+    return c;
+  }
+
+  [[nodiscard]] progress_executor& executor() const noexcept { return exec_; }
+
+  // The executor's side: a completion source whose descriptor is readable when CQEs wait.
+  std::size_t poll(std::size_t budget) noexcept {
+    if (incoming_.load(std::memory_order_relaxed) != nullptr) take_incoming();
+    pump();
+    flush();
+    const std::size_t handled = reap(budget);
+    if (handled != 0) {
+      pump();
+      flush();
+    }
+    // SQEs the kernel did not take (it was short of memory) must be retried, not slept on.
+    return handled + (::io_uring_sq_ready(&ring_) != 0 ? 1 : 0);
+  }
+
+  [[nodiscard]] int park_fd() const noexcept { return ring_.ring_fd; }
+
+ private:
+  friend class tcp_connection;
+  using op = detail::op;
+  using op_kind = detail::op_kind;
+
+  static constexpr std::size_t max_chunk = std::size_t{1} << 30;  // an SQE's length is 32 bits
+
+  static bool inside(const std::byte* p, std::size_t n, const fixed_buffer& registered) noexcept {
+    const auto begin = reinterpret_cast<std::uintptr_t>(registered.memory.data());
+    const auto end = begin + registered.memory.size();
+    const auto at = reinterpret_cast<std::uintptr_t>(p);
+    return at >= begin && at <= end && n <= end - at;
+  }
+
+  // Pairs an op with a new status; the op keeps the completer reference.
+  static transfer attach(op* o) {
+    detail::status_block* s = nullptr;
+    try {
+      s = detail::status_block::make();
+    } catch (...) {
+      op::pool::release(o);
+      throw;
+    }
+    o->status = s;
+    return transfer(ferry::detail::adopt, s);
+  }
+
+  transfer submit_io(op_kind kind, file_ref file, std::byte* buffer, std::size_t length,
+                     std::uint64_t offset, int buffer_index) {
+    if (length == 0) return make_completed_transfer(transfer_state::failed, errc::empty_buffer);
+    op* o = op::make(kind);
+    o->fd = file.descriptor();
+    o->fixed_file = file.fixed();
+    o->buffer = buffer;
+    o->length = length;
+    o->offset = offset;
+    o->buffer_index = buffer_index;
+    transfer t = attach(o);
+    publish(o, o);
+    return t;
+  }
+
+  transfer submit_vectored(op_kind kind, file_ref file, std::span<const iovec> iov,
+                           std::uint64_t offset) {
+    std::size_t total = 0;
+    for (const iovec& v : iov) total += v.iov_len;
+    if (total == 0) return make_completed_transfer(transfer_state::failed, errc::empty_buffer);
+    op* o = op::make(kind);
+    o->fd = file.descriptor();
+    o->fixed_file = file.fixed();
+    o->iov = iov.data();
+    o->iov_count = static_cast<std::uint32_t>(iov.size());
+    o->length = total;
+    o->offset = offset;
+    transfer t = attach(o);
+    publish(o, o);
+    return t;
+  }
+
+  template <class Buffer, class Offset>
+  void submit_batch(op_kind kind, file_ref file, std::size_t n, std::span<transfer> out,
+                    Buffer buffer_of, Offset offset_of) {
+    if (out.size() < n) {
+      throw std::invalid_argument("ferry::uring::ring: batch output span holds " +
+                                  std::to_string(out.size()) + " transfers for " +
+                                  std::to_string(n) + " blocks");
+    }
+    // Linked newest first, so that the executor, which reverses the stack, sees them in order.
+    op* newest = nullptr;
+    op* oldest = nullptr;
+    try {
+      for (std::size_t i = 0; i < n; ++i) {
+        const auto [data, length] = buffer_of(i);
+        if (length == 0) {
+          out[i] = make_completed_transfer(transfer_state::failed, errc::empty_buffer);
+          continue;
+        }
+        op* o = op::make(kind);
+        o->fd = file.descriptor();
+        o->fixed_file = file.fixed();
+        o->buffer = data;
+        o->length = length;
+        o->offset = offset_of(i);
+        out[i] = attach(o);
+        o->next = newest;
+        newest = o;
+        if (oldest == nullptr) oldest = o;
+      }
+    } catch (...) {
+      // Out of memory part-way: what was prepared still goes, so every handed-out transfer ends.
+      if (newest != nullptr) publish(newest, oldest);
+      throw;
+    }
+    if (newest != nullptr) publish(newest, oldest);
+  }
+
+  // Publishes a chain linked newest → oldest through op::next. The caller prepared everything: after
+  // the CAS the executor owns the ops.
+  void publish(op* newest, op* oldest) noexcept {
+    op* head = incoming_.load(std::memory_order_relaxed);
+    do {
+      oldest->next = head;
+      // Release pairs with the acquire exchange in take_incoming(): the ops' fields travel with it.
+    } while (!incoming_.compare_exchange_weak(head, newest, std::memory_order_release,
+                                              std::memory_order_relaxed));
+    exec_.notify();
+  }
+
+  // --- Executor thread from here on (or the destructor, once the source is removed). ---
+
+  void take_incoming() noexcept {
+    op* list = incoming_.exchange(nullptr, std::memory_order_acquire);
+    op* fifo = nullptr;
+    while (list != nullptr) {
+      op* next = list->next;
+      list->next = fifo;
+      fifo = list;
+      list = next;
+    }
+    while (fifo != nullptr) {
+      op* o = fifo;
+      fifo = fifo->next;
+      o->next = nullptr;
+      route(o);
+    }
+  }
+
+  void route(op* o) noexcept {
+    switch (o->kind) {
+      case op_kind::cancel:
+        handle_cancel(o);
+        return;
+      case op_kind::send:
+        enqueue_send(o);
+        return;
+      case op_kind::receive:
+        enqueue_receive(o);
+        return;
+      case op_kind::detach:
+        detach(o);
+        return;
+      default:
+        start(o);
+        return;
+    }
+  }
+
+  // Issues `o` now if the ring has room, else queues it behind the backlog (order is kept).
+  void start(op* o) noexcept {
+    if (shutting_down_) {
+      finish_unstarted(o);
+      return;
+    }
+    if (!backlog_.empty() || !issue(o)) {
+      backlog_.push(o);
+      backlogged_.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+
+  void pump() noexcept {
+    while (!backlog_.empty() && issue(backlog_.head)) backlog_.pop();
+  }
+
+  io_uring_sqe* next_sqe() noexcept {
+    io_uring_sqe* sqe = ::io_uring_get_sqe(&ring_);
+    if (sqe == nullptr) {
+      flush();
+      sqe = ::io_uring_get_sqe(&ring_);
+    }
+    return sqe;
+  }
+
+  void flush() noexcept {
+    const unsigned ready = ::io_uring_sq_ready(&ring_);
+    if (ready == 0) return;
+    const int r = ::io_uring_submit(&ring_);
+    if (r > 0) submitted_.fetch_add(static_cast<std::uint64_t>(r), std::memory_order_relaxed);
+  }
+
+  // Prepares an SQE for `o` if both the CQ bound and the SQ allow it.
+  bool issue(op* o) noexcept {
+    if (in_flight_.size() + cancels_in_flight_ >= limit_) return false;
+    if (o->kind == op_kind::cancel) {
+      // The target may have finished while this request waited in the backlog.
+      // Found in in_flight_ before it is read: a finished target may be back in the pool.
+      op* target = o->target;
+      if (std::find(in_flight_.begin(), in_flight_.end(), target) == in_flight_.end() ||
+          target->status != o->status) {
+        release_cancel(o);
+        return true;
+      }
+    }
+    io_uring_sqe* sqe = next_sqe();
+    if (sqe == nullptr) return false;
+    prepare(sqe, o);
+    ::io_uring_sqe_set_data(sqe, o);
+    if (o->kind == op_kind::cancel) {
+      ++cancels_in_flight_;
+    } else {
+      o->slot = in_flight_.size();
+      in_flight_.push_back(o);
+    }
+    return true;
+  }
+
+  void retire(op* o) noexcept {
+    op* last = in_flight_.back();
+    in_flight_[o->slot] = last;
+    last->slot = o->slot;
+    in_flight_.pop_back();
+  }
+
+  std::uint64_t file_offset(const op* o, std::size_t advanced) const noexcept {
+    return o->offset == current_position ? current_position : o->offset + advanced;
+  }
+
+  void prepare(io_uring_sqe* sqe, op* o) noexcept {
+    const std::size_t left = std::min(o->length - o->done, max_chunk);
+    const auto n = static_cast<unsigned>(left);
+    switch (o->kind) {
+      case op_kind::read:
+        if (o->buffer_index >= 0) {
+          ::io_uring_prep_read_fixed(sqe, o->fd, o->buffer + o->done, n, file_offset(o, o->done),
+                                     o->buffer_index);
+        } else {
+          ::io_uring_prep_read(sqe, o->fd, o->buffer + o->done, n, file_offset(o, o->done));
+        }
+        break;
+      case op_kind::write:
+        if (o->buffer_index >= 0) {
+          ::io_uring_prep_write_fixed(sqe, o->fd, o->buffer + o->done, n, file_offset(o, o->done),
+                                      o->buffer_index);
+        } else {
+          ::io_uring_prep_write(sqe, o->fd, o->buffer + o->done, n, file_offset(o, o->done));
+        }
+        break;
+      case op_kind::readv:
+      case op_kind::writev:
+        prepare_vectored(sqe, o);
+        break;
+      case op_kind::send:
+        prepare_send(sqe, o);
+        break;
+      case op_kind::receive: {
+        std::byte* at = o->receiving_payload ? o->buffer : reinterpret_cast<std::byte*>(&o->header);
+        ::io_uring_prep_recv(sqe, o->fd, at + o->done, n, 0);
+        break;
+      }
+      case op_kind::cancel:
+        ::io_uring_prep_cancel64(sqe, reinterpret_cast<std::uintptr_t>(o->target), 0);
+        return;
+      case op_kind::detach:  // routed before it could reach here
+        ::io_uring_prep_nop(sqe);
+        return;
+    }
+    if (o->fixed_file) sqe->flags |= IOSQE_FIXED_FILE;
+  }
+
+  void prepare_vectored(io_uring_sqe* sqe, op* o) noexcept {
+    const bool reading = o->kind == op_kind::readv;
+    const std::uint64_t at = file_offset(o, o->done);
+    if (o->iov_skip != 0) {
+      // Part of one iovec is done: finish that one alone, then go on with the array.
+      const iovec& v = o->iov[o->iov_at];
+      auto* p = static_cast<std::byte*>(v.iov_base) + o->iov_skip;
+      const auto n = static_cast<unsigned>(std::min(v.iov_len - o->iov_skip, max_chunk));
+      if (reading) {
+        ::io_uring_prep_read(sqe, o->fd, p, n, at);
+      } else {
+        ::io_uring_prep_write(sqe, o->fd, p, n, at);
+      }
+      return;
+    }
+    const unsigned count = std::min<unsigned>(o->iov_count - o->iov_at, IOV_MAX);
+    if (reading) {
+      ::io_uring_prep_readv(sqe, o->fd, o->iov + o->iov_at, count, at);
+    } else {
+      ::io_uring_prep_writev(sqe, o->fd, o->iov + o->iov_at, count, at);
+    }
+  }
+
+  static void prepare_send(io_uring_sqe* sqe, op* o) noexcept {
+    std::size_t skip = o->done;
+    std::size_t index = 0;
+    while (index < 1 && skip >= o->parts[index].iov_len) skip -= o->parts[index++].iov_len;
+    std::size_t count = 0;
+    for (std::size_t i = index; i < 2; ++i) {
+      iovec v = o->parts[i];
+      if (i == index) {
+        v.iov_base = static_cast<std::byte*>(v.iov_base) + skip;
+        v.iov_len -= skip;
+      }
+      if (v.iov_len != 0) o->live[count++] = v;
+    }
+    o->message = msghdr{};
+    o->message.msg_iov = o->live;
+    o->message.msg_iovlen = count;
+    ::io_uring_prep_sendmsg(sqe, o->fd, &o->message, MSG_NOSIGNAL);
+  }
+
+  std::size_t reap(std::size_t budget) noexcept {
+    std::size_t handled = 0;
+    io_uring_cqe* batch[64];
+    while (handled < budget) {
+      const auto want = static_cast<unsigned>(std::min<std::size_t>(64, budget - handled));
+      const unsigned n = ::io_uring_peek_batch_cqe(&ring_, batch, want);
+      if (n == 0) break;
+      struct entry {
+        std::uint64_t data;
+        int res;
+      } taken[64];
+      for (unsigned i = 0; i < n; ++i) taken[i] = {batch[i]->user_data, batch[i]->res};
+      // Give the entries back before completing anything: a completion may resume a coroutine
+      // inline, which may submit more.
+      ::io_uring_cq_advance(&ring_, n);
+      for (unsigned i = 0; i < n; ++i) on_completion(reinterpret_cast<op*>(taken[i].data), taken[i].res);
+      handled += n;
+    }
+    if (handled != 0) completed_.fetch_add(handled, std::memory_order_relaxed);
+    return handled;
+  }
+
+  void on_completion(op* o, int res) noexcept {
+    if (o->kind == op_kind::cancel) {
+      --cancels_in_flight_;
+      release_cancel(o);
+      return;
+    }
+    retire(o);
+    switch (o->kind) {
+      case op_kind::send:
+        on_send(o, res);
+        return;
+      case op_kind::receive:
+        on_receive(o, res);
+        return;
+      default:
+        on_file_io(o, res);
+        return;
+    }
+  }
+
+  // -ECANCELED, or -EINTR after a cancel request (the kernel interrupted a running request).
+  static bool was_cancelled(const op* o, int res) noexcept {
+    return res == -ECANCELED || (res == -EINTR && o->cancel_requested);
+  }
+
+  void on_file_io(op* o, int res) noexcept {
+    if (res < 0) {
+      if (was_cancelled(o, res)) return finish(o, transfer_state::cancelled, {});
+      if (res == -EINTR && !shutting_down_) return start(o);
+      return finish(o, transfer_state::failed, detail::system_error_code(-res));
+    }
+    if (res == 0) {
+      const bool reading = o->kind == op_kind::read || o->kind == op_kind::readv;
+      return finish(o, transfer_state::failed,
+                    reading ? make_error_code(errc::end_of_file) : detail::system_error_code(EIO));
+    }
+    advance(o, static_cast<std::size_t>(res));
+    if (o->done == o->length) return finish(o, transfer_state::success, {});
+    continue_partial(o);
+  }
+
+  void continue_partial(op* o) noexcept {
+    if (o->cancel_requested) return finish(o, transfer_state::cancelled, {});
+    if (shutting_down_) return finish(o, transfer_state::failed, make_error_code(errc::backend_shut_down));
+    resubmitted_.fetch_add(1, std::memory_order_relaxed);
+    start(o);
+  }
+
+  static void advance(op* o, std::size_t n) noexcept {
+    o->done += n;
+    if (o->kind != op_kind::readv && o->kind != op_kind::writev) return;
+    n += o->iov_skip;
+    while (o->iov_at < o->iov_count && n >= o->iov[o->iov_at].iov_len) {
+      n -= o->iov[o->iov_at].iov_len;
+      ++o->iov_at;
+    }
+    o->iov_skip = n;
+  }
+
+  // --- Connections: one send and one receive in flight per connection, in submission order. ---
+
+  void enqueue_send(op* o) noexcept {
+    detail::connection_state* c = o->connection;
+    list(c);
+    if (c->send_tail == nullptr) {
+      c->send_head = c->send_tail = o;
+    } else {
+      c->send_tail->next = o;
+      c->send_tail = o;
+    }
+    if (!c->sending) next_send(c);
+  }
+
+  void next_send(detail::connection_state* c) noexcept {
+    while (op* o = pop_front(c->send_head, c->send_tail)) {
+      if (c->send_error) {
+        finish(o, transfer_state::failed, c->send_error);
+        continue;
+      }
+      c->sending = true;
+      start(o);
+      return;
+    }
+  }
+
+  void on_send(op* o, int res) noexcept {
+    detail::connection_state* c = o->connection;
+    if (res > 0) {
+      o->done += static_cast<std::size_t>(res);
+      if (o->done == o->length) {
+        c->sending = false;
+        end_connection_op(o, transfer_state::success, {});
+        return;
+      }
+      if (!o->cancel_requested && !shutting_down_) {
+        resubmitted_.fetch_add(1, std::memory_order_relaxed);
+        start(o);
+        return;
+      }
+    } else if (res == -EINTR && !o->cancel_requested && !shutting_down_) {
+      start(o);
+      return;
+    }
+    // The send ends short of its frame. If any byte of the frame went out, the stream is out of
+    // step and every later send on the connection fails.
+    transfer_state to = transfer_state::failed;
+    std::error_code ec;
+    if (res < 0 && !was_cancelled(o, res)) {
+      ec = detail::system_error_code(-res);
+    } else if (res == 0) {
+      ec = make_error_code(errc::connection_closed);
+    } else if (o->cancel_requested) {
+      to = transfer_state::cancelled;
+    } else {
+      ec = make_error_code(errc::backend_shut_down);
+    }
+    if (!c->send_error && (o->done != 0 || to == transfer_state::failed)) {
+      c->send_error = to == transfer_state::failed && o->done == 0
+                          ? ec
+                          : make_error_code(errc::connection_broken);
+    }
+    c->sending = false;
+    end_connection_op(o, to, ec);
+  }
+
+  void enqueue_receive(op* o) noexcept {
+    detail::connection_state* c = o->connection;
+    list(c);
+    if (c->receive_tail == nullptr) {
+      c->receive_head = c->receive_tail = o;
+    } else {
+      c->receive_tail->next = o;
+      c->receive_tail = o;
+    }
+    if (!c->receiving) next_receive(c);
+  }
+
+  void next_receive(detail::connection_state* c) noexcept {
+    while (op* o = pop_front(c->receive_head, c->receive_tail)) {
+      if (c->receive_error) {
+        finish(o, transfer_state::failed, c->receive_error);
+        continue;
+      }
+      c->receiving = true;
+      start(o);
+      return;
+    }
+  }
+
+  void on_receive(op* o, int res) noexcept {
+    detail::connection_state* c = o->connection;
+    const bool started = o->done != 0 || o->receiving_payload;
+    std::error_code ec;
+    transfer_state to = transfer_state::pending;
+    if (was_cancelled(o, res)) {
+      to = transfer_state::cancelled;
+      if (started) c->receive_error = make_error_code(errc::connection_broken);
+    } else if (res == -EINTR && !shutting_down_) {
+      start(o);
+      return;
+    } else if (res < 0) {
+      to = transfer_state::failed;
+      ec = detail::system_error_code(-res);
+      c->receive_error = ec;
+    } else if (res == 0) {
+      to = transfer_state::failed;
+      ec = make_error_code(errc::connection_closed);
+      c->receive_error = ec;
+    } else {
+      o->done += static_cast<std::size_t>(res);
+      if (o->done == o->length) {
+        to = o->receiving_payload ? transfer_state::success : begin_payload(o, ec);
+      }
+      if (to == transfer_state::pending) {
+        if (o->cancel_requested || shutting_down_) {
+          c->receive_error = make_error_code(errc::connection_broken);
+          to = o->cancel_requested ? transfer_state::cancelled : transfer_state::failed;
+          if (!o->cancel_requested) ec = make_error_code(errc::backend_shut_down);
+        } else {
+          start(o);
+          return;
+        }
+      } else if (to == transfer_state::failed) {
+        c->receive_error = make_error_code(errc::connection_broken);
+      }
+    }
+    c->receiving = false;
+    end_connection_op(o, to, ec);
+  }
+
+  // Ends a connection's active operation and starts its next one. While the connection is listed
+  // the ring holds a reference, so it outlives finish(); once detached nothing is queued.
+  void end_connection_op(op* o, transfer_state to, std::error_code ec) noexcept {
+    detail::connection_state* c = o->connection;
+    const bool go_on = c->listed && !shutting_down_;
+    const bool sending = o->kind == op_kind::send;
+    finish(o, to, ec);
+    if (!go_on) return;
+    if (sending) {
+      next_send(c);
+    } else {
+      next_receive(c);
+    }
+  }
+
+  // The header is in: check it and switch to the payload. Returns pending to go on receiving,
+  // success for an empty block, failed (with `ec`) for a header that cannot be accepted.
+  static transfer_state begin_payload(op* o, std::error_code& ec) noexcept {
+    const detail::frame_header& h = o->header;
+    if (h.magic != detail::frame_header::magic_value) {
+      ec = make_error_code(errc::bad_frame);
+      return transfer_state::failed;
+    }
+    if (h.length > o->parts[1].iov_len) {
+      ec = make_error_code(errc::block_too_large);
+      return transfer_state::failed;
+    }
+    o->received->id = h.id;
+    o->received->length = static_cast<std::size_t>(h.length);
+    if (h.length == 0) return transfer_state::success;
+    o->receiving_payload = true;
+    o->buffer = static_cast<std::byte*>(o->parts[1].iov_base);
+    o->length = static_cast<std::size_t>(h.length);
+    o->done = 0;
+    return transfer_state::pending;
+  }
+
+  static op* pop_front(op*& head, op*& tail) noexcept {
+    op* o = head;
+    if (o == nullptr) return nullptr;
+    head = o->next;
+    if (head == nullptr) tail = nullptr;
+    o->next = nullptr;
+    return o;
+  }
+
+  // --- Cancellation. ---
+
+  void handle_cancel(op* c) noexcept {
+    detail::status_block* s = c->status;
+    if (s->state() != transfer_state::pending) return release_cancel(c);
+    for (op* o : in_flight_) {
+      if (o->status != s) continue;
+      if (o->cancel_requested) return release_cancel(c);
+      o->cancel_requested = true;
+      c->target = o;
+      start(c);
+      return;
+    }
+    if (op* o = backlog_.remove(s)) {
+      release_cancel(c);
+      return cancel_backlogged(o);
+    }
+    for (detail::connection_state* conn = connections_head_; conn != nullptr;
+         conn = conn->list_next) {
+      op* o = unlink(conn->send_head, conn->send_tail, s);
+      if (o == nullptr) o = unlink(conn->receive_head, conn->receive_tail, s);
+      if (o != nullptr) {
+        release_cancel(c);
+        return finish(o, transfer_state::cancelled, {});
+      }
+    }
+    release_cancel(c);
+  }
+
+  static op* unlink(op*& head, op*& tail, const detail::status_block* s) noexcept {
+    detail::op_queue q{head, tail};
+    op* o = q.remove(s);
+    head = q.head;
+    tail = q.tail;
+    return o;
+  }
+
+  // Waiting for room in the ring: it never reached the kernel, or is between two parts of a short
+  // transfer. A connection's operation in the backlog is its active one; if it had moved bytes,
+  // the stream is out of step.
+  void cancel_backlogged(op* o) noexcept {
+    detail::connection_state* c = o->connection;
+    if (c == nullptr) return finish(o, transfer_state::cancelled, {});
+    const bool sending = o->kind == op_kind::send;
+    const bool started = o->done != 0 || o->receiving_payload;
+    std::error_code& broken = sending ? c->send_error : c->receive_error;
+    if (started && !broken) broken = make_error_code(errc::connection_broken);
+    (sending ? c->sending : c->receiving) = false;
+    c->refs.fetch_add(1, std::memory_order_relaxed);  // finish() may drop the last reference
+    finish(o, transfer_state::cancelled, {});
+    if (sending) {
+      next_send(c);
+    } else {
+      next_receive(c);
+    }
+    c->release();
+  }
+
+  // --- The ring's list of connections that have had work: for cancel() and detach. ---
+
+  void list(detail::connection_state* c) noexcept {
+    if (c->listed) return;
+    c->listed = true;
+    c->refs.fetch_add(1, std::memory_order_relaxed);
+    c->list_prev = nullptr;
+    c->list_next = connections_head_;
+    if (connections_head_ != nullptr) connections_head_->list_prev = c;
+    connections_head_ = c;
+  }
+
+  // The handle is gone (its socket already shut down): queued operations never start.
+  void detach(op* d) noexcept {
+    detail::connection_state* c = d->connection;
+    op::pool::release(d);
+    unlist(c);
+    c->release();
+  }
+
+  void unlist(detail::connection_state* c) noexcept {
+    if (!c->listed) return;
+    while (op* o = pop_front(c->send_head, c->send_tail)) finish(o, transfer_state::cancelled, {});
+    while (op* o = pop_front(c->receive_head, c->receive_tail)) {
+      finish(o, transfer_state::cancelled, {});
+    }
+    (c->list_prev == nullptr ? connections_head_ : c->list_prev->list_next) = c->list_next;
+    if (c->list_next != nullptr) c->list_next->list_prev = c->list_prev;
+    c->listed = false;
+    c->release();
+  }
+
+  static void release_cancel(op* c) noexcept {
+    c->status->release_transfer_ref();
+    op::pool::release(c);
+  }
+
+  // --- Ending operations. ---
+
+  void finish(op* o, transfer_state to, std::error_code ec) noexcept {
+    detail::status_block* s = o->status;
+    detail::connection_state* c = o->connection;
+    op::pool::release(o);
+    s->complete(to, ec);
+    s->release_completer_ref();
+    if (c != nullptr) c->release();
+  }
+
+  void finish_unstarted(op* o) noexcept {
+    if (o->kind == op_kind::cancel) return release_cancel(o);
+    finish(o, transfer_state::failed, make_error_code(errc::backend_shut_down));
+  }
+
+  // tcp.hpp: a connection's operations go through the same stack as everything else.
+  void post(op* o) noexcept { publish(o, o); }
+
+  progress_executor& exec_;
+  io_uring ring_{};
+  unsigned limit_ = 0;
+
+  // Submitters push here; the executor takes the whole stack at once.
+  alignas(64) std::atomic<op*> incoming_{nullptr};
+
+  // The executor thread's state.
+  alignas(64) std::vector<op*> in_flight_;
+  unsigned cancels_in_flight_ = 0;
+  detail::op_queue backlog_;
+  bool shutting_down_ = false;
+
+  detail::connection_state* connections_head_ = nullptr;
+
+  // Open tcp_connection handles, checked by the destructor.
+  std::atomic<int> connections_{0};
+
+  std::atomic<std::uint64_t> submitted_{0};
+  std::atomic<std::uint64_t> completed_{0};
+  std::atomic<std::uint64_t> resubmitted_{0};
+  std::atomic<std::uint64_t> backlogged_{0};
+};
+
+}  // namespace ferry::uring

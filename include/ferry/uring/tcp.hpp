@@ -1,0 +1,254 @@
+#pragma once
+// TCP between two peers through the io_uring ring: framed blocks (block id, length, payload) sent
+// and received as transfers. Where no RDMA fabric exists, this is how KV blocks move between a
+// prefill and a decode machine.
+//
+// A frame is a 24-byte header (magic "FRY1", reserved, block id, payload length; little-endian, the
+// byte order of every host ferry runs on) followed by the payload. Sends on one connection go out
+// one at a time in the order they were called, and so do receives; a short send or receive is
+// continued. A peer that closes or resets the connection fails the transfer in flight with
+// errc::connection_closed or the system's ECONNRESET, and every later one on that side with the same
+// error; nothing waits forever on a connection that is gone.
+//
+// Setting up (listen, accept, connect) is blocking and happens once per peer; only the block
+// traffic goes through the ring.
+
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <system_error>
+#include <utility>
+
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "ferry/uring/ring.hpp"
+
+namespace ferry::uring {
+
+namespace detail {
+
+[[noreturn]] inline void throw_errno(int err, const std::string& what) {
+  throw std::system_error(err, std::system_category(), what);
+}
+
+inline void set_nodelay(int fd) noexcept {
+  const int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
+// Resolves host:port (numeric or by name) and calls `use(fd, addrinfo)` on sockets of each result
+// until it returns true; the descriptor of that success is returned, else -1 with errno set.
+template <class Use>
+int for_each_address(const std::string& host, std::uint16_t port, int flags, Use use) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = flags | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const std::string service = std::to_string(port);
+  const int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &found);
+  if (rc != 0) {
+    throw std::system_error(make_error_code(std::errc::invalid_argument),
+                            "ferry::uring: cannot resolve '" + host + "': " + ::gai_strerror(rc));
+  }
+  int err = EADDRNOTAVAIL;
+  int fd = -1;
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) {
+      err = errno;
+      continue;
+    }
+    if (use(fd, *a)) break;
+    err = errno;
+    ::close(fd);
+    fd = -1;
+  }
+  ::freeaddrinfo(found);
+  if (fd < 0) errno = err;
+  return fd;
+}
+
+}  // namespace detail
+
+class tcp_connection {
+ public:
+  // Adopts a connected stream socket (blocking mode).
+  tcp_connection(ring& r, int connected_fd) : ring_(&r) {
+    if (connected_fd < 0) {
+      throw std::invalid_argument("ferry::uring::tcp_connection: descriptor " +
+                                  std::to_string(connected_fd) + " is not a socket");
+    }
+    state_ = new detail::connection_state;
+    state_->fd = connected_fd;
+    ring_->connections_.fetch_add(1, std::memory_order_relaxed);
+  }
+
+  // Connects to host:port, blocking until the connection is up or refused.
+  [[nodiscard]] static tcp_connection connect(ring& r, const std::string& host, std::uint16_t port) {
+    const int fd = detail::for_each_address(host, port, 0, [](int s, const addrinfo& a) {
+      return ::connect(s, a.ai_addr, a.ai_addrlen) == 0;
+    });
+    if (fd < 0) {
+      detail::throw_errno(errno, "ferry::uring::tcp_connection::connect to " + host + ":" +
+                                     std::to_string(port));
+    }
+    detail::set_nodelay(fd);
+    try {
+      return tcp_connection(r, fd);
+    } catch (...) {
+      ::close(fd);
+      throw;
+    }
+  }
+
+  tcp_connection(tcp_connection&& other) noexcept
+      : ring_(other.ring_), state_(std::exchange(other.state_, nullptr)) {}
+  tcp_connection& operator=(tcp_connection&& other) noexcept {
+    tcp_connection(std::move(other)).swap(*this);
+    return *this;
+  }
+  tcp_connection(const tcp_connection&) = delete;
+  tcp_connection& operator=(const tcp_connection&) = delete;
+
+  // Shuts the socket down: a send or receive in flight fails, queued ones end cancelled, and the
+  // descriptor closes once the last of them has completed.
+  ~tcp_connection() { close(); }
+
+  void close() noexcept {
+    if (state_ == nullptr) return;
+    ::shutdown(state_->fd, SHUT_RDWR);
+    detail::op* d = nullptr;
+    try {
+      d = detail::op::make(detail::op_kind::detach);
+    } catch (...) {
+      // Out of memory: the ring unlists the connection when it is destroyed instead.
+    }
+    if (d != nullptr) {
+      d->connection = state_;  // takes over the handle's reference
+      ring_->post(d);
+    } else {
+      state_->release();
+    }
+    state_ = nullptr;
+    ring_->connections_.fetch_sub(1, std::memory_order_release);
+  }
+
+  void swap(tcp_connection& other) noexcept {
+    std::swap(ring_, other.ring_);
+    std::swap(state_, other.state_);
+  }
+
+  // Sends one framed block. `payload` must stay valid until the transfer is terminal.
+  [[nodiscard]] transfer send(std::uint64_t block_id, std::span<const std::byte> payload) {
+    if (state_ == nullptr) {
+      return make_completed_transfer(transfer_state::failed, errc::connection_closed);
+    }
+    detail::op* o = detail::op::make(detail::op_kind::send);
+    o->fd = state_->fd;
+    o->header.id = block_id;
+    o->header.length = payload.size();
+    o->parts[0] = iovec{&o->header, sizeof o->header};
+    o->parts[1] = iovec{const_cast<std::byte*>(payload.data()), payload.size()};
+    o->length = sizeof o->header + payload.size();
+    return post(o);
+  }
+
+  // Receives the next framed block into the front of `dst` and writes its id and length to `out`.
+  // Both must stay valid until the transfer is terminal. A block larger than `dst` fails with
+  // errc::block_too_large (and the connection's receive side with it: the stream is out of step).
+  [[nodiscard]] transfer receive(std::span<std::byte> dst, received_block& out) {
+    if (state_ == nullptr) {
+      return make_completed_transfer(transfer_state::failed, errc::connection_closed);
+    }
+    detail::op* o = detail::op::make(detail::op_kind::receive);
+    o->fd = state_->fd;
+    o->parts[1] = iovec{dst.data(), dst.size()};
+    o->received = &out;
+    o->length = sizeof o->header;
+    return post(o);
+  }
+
+  [[nodiscard]] int native_handle() const noexcept { return state_ == nullptr ? -1 : state_->fd; }
+  [[nodiscard]] bool is_open() const noexcept { return state_ != nullptr; }
+
+ private:
+  transfer post(detail::op* o) {
+    transfer t = ring::attach(o);
+    state_->refs.fetch_add(1, std::memory_order_relaxed);
+    o->connection = state_;
+    ring_->post(o);
+    return t;
+  }
+
+  ring* ring_;
+  detail::connection_state* state_ = nullptr;
+};
+
+class tcp_listener {
+ public:
+  // Listens on address:port; port 0 picks a free one (see port()).
+  explicit tcp_listener(const std::string& address = "127.0.0.1", std::uint16_t port = 0,
+                        int backlog = 64) {
+    fd_ = detail::for_each_address(address, port, AI_PASSIVE, [&](int s, const addrinfo& a) {
+      const int one = 1;
+      ::setsockopt(s, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+      return ::bind(s, a.ai_addr, a.ai_addrlen) == 0 && ::listen(s, backlog) == 0;
+    });
+    if (fd_ < 0) {
+      detail::throw_errno(errno, "ferry::uring::tcp_listener on " + address + ":" +
+                                     std::to_string(port));
+    }
+  }
+
+  tcp_listener(tcp_listener&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  tcp_listener& operator=(tcp_listener&& other) noexcept {
+    std::swap(fd_, other.fd_);
+    return *this;
+  }
+  tcp_listener(const tcp_listener&) = delete;
+  tcp_listener& operator=(const tcp_listener&) = delete;
+  ~tcp_listener() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+  [[nodiscard]] std::uint16_t port() const {
+    sockaddr_storage addr{};
+    socklen_t len = sizeof addr;
+    if (::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      detail::throw_errno(errno, "ferry::uring::tcp_listener::port: getsockname");
+    }
+    if (addr.ss_family == AF_INET6) return ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
+    return ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  }
+
+  // Blocks until a peer connects.
+  [[nodiscard]] tcp_connection accept(ring& r) {
+    int fd = -1;
+    do {
+      fd = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    } while (fd < 0 && errno == EINTR);
+    if (fd < 0) detail::throw_errno(errno, "ferry::uring::tcp_listener::accept");
+    detail::set_nodelay(fd);
+    try {
+      return tcp_connection(r, fd);
+    } catch (...) {
+      ::close(fd);
+      throw;
+    }
+  }
+
+  [[nodiscard]] int native_handle() const noexcept { return fd_; }
+
+ private:
+  int fd_ = -1;
+};
+
+}  // namespace ferry::uring

@@ -1,0 +1,92 @@
+#pragma once
+// For the io_uring tests: a temporary directory that removes itself, byte patterns, and a check that
+// the kernel lets this process use io_uring at all.
+
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <ferry/uring/ring.hpp>
+
+namespace ferry_test {
+
+// Empty when io_uring works here; otherwise why not (the tests then say so and skip).
+inline std::string uring_unavailable() {
+  io_uring probe{};
+  const int r = ::io_uring_queue_init(4, &probe, 0);
+  if (r < 0) {
+    return "io_uring is not available to this process (" +
+           std::error_code(-r, std::system_category()).message() + "); io_uring tests skipped";
+  }
+  ::io_uring_queue_exit(&probe);
+  return {};
+}
+
+#define FERRY_REQUIRE_URING()                         \
+  do {                                                \
+    const std::string why = ferry_test::uring_unavailable(); \
+    if (!why.empty()) {                               \
+      WARN(why);                                      \
+      return;                                         \
+    }                                                 \
+  } while (false)
+
+class temp_dir {
+ public:
+  temp_dir() {
+    std::string pattern = (std::filesystem::temp_directory_path() / "ferry-test-XXXXXX").string();
+    if (::mkdtemp(pattern.data()) == nullptr) {
+      throw std::system_error(errno, std::system_category(), "mkdtemp");
+    }
+    path_ = pattern;
+  }
+  ~temp_dir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  temp_dir(const temp_dir&) = delete;
+  temp_dir& operator=(const temp_dir&) = delete;
+
+  [[nodiscard]] std::string file(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  std::filesystem::path path_;
+};
+
+// An open descriptor that closes itself.
+class fd_guard {
+ public:
+  explicit fd_guard(int fd = -1) noexcept : fd_(fd) {}
+  fd_guard(const fd_guard&) = delete;
+  fd_guard& operator=(const fd_guard&) = delete;
+  ~fd_guard() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  [[nodiscard]] int get() const noexcept { return fd_; }
+  void reset(int fd = -1) noexcept {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = fd;
+  }
+
+ private:
+  int fd_;
+};
+
+inline std::vector<std::byte> byte_pattern(std::size_t n, unsigned seed) {
+  std::vector<std::byte> v(n);
+  std::uint32_t x = seed * 2654435761u + 1;
+  for (std::size_t i = 0; i < n; ++i) {
+    x ^= x << 13;
+    x ^= x >> 17;
+    x ^= x << 5;
+    v[i] = static_cast<std::byte>(x & 0xff);
+  }
+  return v;
+}
+
+}  // namespace ferry_test

@@ -1,0 +1,427 @@
+// The io_uring backend on real files and pipes in a temporary directory: no mocks.
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <ferry/task.hpp>
+#include <ferry/uring/aligned_buffer.hpp>
+#include <ferry/uring/ring.hpp>
+#include <ferry/wait_all.hpp>
+
+#include "helpers.hpp"
+#include "uring_helpers.hpp"
+
+using namespace ferry_test;
+using ferry::transfer_state;
+using ferry::verdict;
+namespace uring = ferry::uring;
+
+namespace {
+
+int open_file(const std::string& path, int flags = O_RDWR | O_CREAT) {
+  const int fd = ::open(path.c_str(), flags | O_CLOEXEC, 0600);
+  if (fd < 0) throw std::system_error(errno, std::system_category(), "open " + path);
+  return fd;
+}
+
+std::span<const std::byte> cview(const std::vector<std::byte>& v) { return v; }
+
+}  // namespace
+
+TEST_CASE("uring: round trips are byte-exact at 4 KiB, 64 KiB and 1 MiB", "[uring][concurrency]") {
+  FERRY_REQUIRE_URING();
+  temp_dir dir;
+  fd_guard fd(open_file(dir.file("blocks")));
+  ferry::progress_executor exec;
+  uring::ring r(exec);
+  const std::size_t size = GENERATE(std::size_t{4096}, std::size_t{64} << 10, std::size_t{1} << 20);
+  const auto data = byte_pattern(size, static_cast<unsigned>(size));
+  const std::uint64_t offset = 3 * size;  // a hole before it: reads must not start at 0
+
+  REQUIRE(r.write(fd.get(), cview(data), offset).wait_for(hang_bound) == transfer_state::success);
+  std::vector<std::byte> back(size);
+  ferry::transfer t = r.read(fd.get(), back, offset);
+  REQUIRE(t.wait_for(hang_bound) == transfer_state::success);
+  CHECK(t.error() == std::error_code{});
+  CHECK(back == data);
+
+  // The same through a coroutine, which resumes on its own scheduler.
+  std::vector<std::byte> again(size);
+  const auto state = ferry::sync_wait([&]() -> ferry::task<transfer_state> {
+    co_return co_await r.read(fd.get(), again, offset);
+  }());
+  CHECK(state == transfer_state::success);
+  CHECK(again == data);
+}
+
+TEST_CASE("uring: readv and writev scatter and gather in order", "[uring][concurrency]") {
+  FERRY_REQUIRE_URING();
+  temp_dir dir;
+  fd_guard fd(open_file(dir.file("vectored")));
+  ferry::progress_executor exec;
+  uring::ring r(exec);
+  std::vector<std::vector<std::byte>> blocks;
+  std::vector<iovec> out_iov;
+  for (unsigned i = 0; i < 16; ++i) {
+    blocks.push_back(byte_pattern(1000 + 97 * i, i));
+    out_iov.push_back(iovec{blocks.back().data(), blocks.back().size()});
+  }
+  REQUIRE(r.writev(fd.get(), out_iov, 512).wait_for(hang_bound) == transfer_state::success);
+
+  std::vector<std::vector<std::byte>> copies;
+  std::vector<iovec> in_iov;
+  for (const auto& b : blocks) copies.emplace_back(b.size());
+  for (auto& c : copies) in_iov.push_back(iovec{c.data(), c.size()});
+  REQUIRE(r.readv(fd.get(), in_iov, 512).wait_for(hang_bound) == transfer_state::success);
+  CHECK(copies == blocks);
+}
+
+TEST_CASE("uring: batched reads and writes give one transfer per block", "[uring][concurrency]") {
+  FERRY_REQUIRE_URING();
+  temp_dir dir;
+  fd_guard fd(open_file(dir.file("batch")));
+  ferry::progress_executor exec;
+  uring::ring r(exec);
+  constexpr std::size_t n = 64;
+  constexpr std::size_t block = 4096;
+  std::vector<std::vector<std::byte>> data;
+  std::vector<uring::write_block> writes;
+  for (std::size_t i = 0; i < n; ++i) {
+    data.push_back(byte_pattern(block, static_cast<unsigned>(i)));
+    writes.push_back({data.back(), (n - 1 - i) * block});  // out of file order on purpose
+  }
+  std::vector<ferry::transfer> wt(n);
+  r.write_batch(fd.get(), writes, wt);
+  REQUIRE(ferry::wait_all(wt, hang_bound).verdict == verdict::success);
+
+  std::vector<std::vector<std::byte>> back(n, std::vector<std::byte>(block));
+  std::vector<uring::read_block> reads;
+  for (std::size_t i = 0; i < n; ++i) reads.push_back({back[i], (n - 1 - i) * block});
+  std::vector<ferry::transfer> rt(n);
+  r.read_batch(fd.get(), reads, rt);
+  REQUIRE(ferry::wait_all(rt, hang_bound).verdict == verdict::success);
+  CHECK(back == data);
+
+  std::vector<ferry::transfer> too_few(n - 1);
+  CHECK_THROWS_WITH(r.read_batch(fd.get(), reads, too_few),
+                    Catch::Contains("holds 63 transfers for 64 blocks"));
+}
+
+TEST_CASE("uring: O_DIRECT reads and writes with aligned buffers", "[uring][concurrency]") {
+  FERRY_REQUIRE_URING();
+  temp_dir dir;
+  const int raw = ::open(dir.file("direct").c_str(), O_RDWR | O_CREAT | O_DIRECT | O_CLOEXEC, 0600);
+  if (raw < 0) {
+    WARN("the file system under " << dir.file("") << " refuses O_DIRECT ("
+                                  << std::strerror(errno) << "); O_DIRECT test skipped");
+    return;
+  }
+  fd_guard fd(raw);
+  ferry::progress_executor exec;
+  uring::ring r(exec);
+  constexpr std::size_t size = 1 << 20;
+  uring::aligned_buffer out(size), in(size);
+  const auto data = byte_pattern(size, 42);
+  std::memcpy(out.data(), data.data(), size);
+  ferry::transfer w = r.write(fd.get(), out.span(), 4096 * 7);
+  REQUIRE(w.wait_for(hang_bound) == transfer_state::success);
+  ferry::transfer t = r.read(fd.get(), in.span(), 4096 * 7);
+  REQUIRE(t.wait_for(hang_bound) == transfer_state::success);
+  CHECK(std::memcmp(in.data(), data.data(), size) == 0);
+
+  // A misaligned direct read is the kernel's EINVAL, in the system category.
+  std::vector<std::byte> unaligned(4096 + 1);
+  ferry::transfer bad = r.read(fd.get(), std::span(unaligned).subspan(1), 4096 * 7);
+  REQUIRE(bad.wait_for(hang_bound) == transfer_state::failed);
+  CHECK(bad.error() == std::error_code(EINVAL, std::system_category()));
+}
+
+TEST_CASE("uring: registered buffers and registered files", "[uring][concurrency]") {
+  FERRY_REQUIRE_URING();
+  temp_dir dir;
+  fd_guard fd(open_file(dir.file("fixed")));
+  ferry::progress_executor exec;
+  uring::ring r(exec);
+  uring::aligned_buffer arena(256 << 10);
+  const std::span<std::byte> regions[] = {arena.subspan(0, 128 << 10), arena.subspan(128 << 10, 128 << 10)};
+  const auto buffers = r.register_buffers(regions);
+  const int fds[] = {fd.get()};
+  const auto files = r.register_files(fds);
+  REQUIRE(buffers.size() == 2);
+  REQUIRE(files.size() == 1);
+
+  const auto data = byte_pattern(64 << 10, 9);
+  std::memcpy(buffers[0].memory.data(), data.data(), data.size());
+  const auto src = buffers[0].memory.first(data.size());
+  REQUIRE(r.write(files[0], src, 8192, buffers[0]).wait_for(hang_bound) == transfer_state::success);
+  const auto dst = buffers[1].memory.subspan(4096, data.size());
+  REQUIRE(r.read(files[0], dst, 8192, buffers[1]).wait_for(hang_bound) == transfer_state::success);
+  CHECK(std::equal(data.begin(), data.end(), dst.begin()));
+
+  // A plain read through a registered descriptor, and a fixed read through a plain one.
+  std::vector<std::byte> plain(data.size());
+  REQUIRE(r.read(files[0], plain, 8192).wait_for(hang_bound) == transfer_state::success);
+  CHECK(plain == data);
+  REQUIRE(r.read(fd.get(), buffers[1].memory.first(100), 8192, buffers[1]).wait_for(hang_bound) ==
+          transfer_state::success);
+
+  // A span outside the buffer it names is refused before the kernel sees it.
+  ferry::transfer outside = r.read(fd.get(), buffers[1].memory.subspan(1), 0, buffers[0]);
+  CHECK(outside.state() == transfer_state::failed);
+  CHECK(outside.error() == ferry::errc::outside_registered_buffer);
+}
+
+TEST_CASE("uring: bad input fails with an error naming it", "[uring][concurrency]") {
+  FERRY_REQUIRE_URING();
+  temp_dir dir;
+  ferry::progress_executor exec;
+  uring::ring r(exec);
+  std::vector<std::byte> buf(4096);
+
+  SECTION("a descriptor that is not open is EBADF") {
+    ferry::transfer t = r.read(-1, buf, 0);
+    REQUIRE(t.wait_for(hang_bound) == transfer_state::failed);
+    CHECK(t.error() == std::error_code(EBADF, std::system_category()));
+    CHECK(t.error().category() == std::system_category());
+    int closed = open_file(dir.file("closed"));
+    ::close(closed);
+    CHECK(r.write(closed, cview(buf), 0).wait_for(hang_bound) == transfer_state::failed);
+  }
+  SECTION("writing to a descriptor opened read-only is EBADF") {
+    fd_guard ro(open_file(dir.file("ro"), O_RDONLY | O_CREAT));
+    ferry::transfer t = r.write(ro.get(), cview(buf), 0);
+    REQUIRE(t.wait_for(hang_bound) == transfer_state::failed);
+    CHECK(t.error() == std::error_code(EBADF, std::system_category()));
+  }
+  SECTION("an empty buffer") {
+    ferry::transfer t = r.read(0, std::span<std::byte>{}, 0);
+    CHECK(t.state() == transfer_state::failed);
+    CHECK(t.error() == ferry::errc::empty_buffer);
+  }
+  SECTION("a bad ring size") {
+    CHECK_THROWS_WITH(uring::ring(exec, uring::ring_options{.entries = 0}),
+                      Catch::Contains("entries must be at least 1"));
+  }
+}
+
+TEST_CASE("uring: a read past the end of the file fails, never succeeds with partial data",
+          "[uring][concurrency]") {
+  FERRY_REQUIRE_URING();
+  temp_dir dir;
+  fd_guard fd(open_file(dir.file("short")));
+  ferry::progress_executor exec;
+  uring::ring r(exec);
+  const auto data = byte_pattern(10000, 5);
+  REQUIRE(r.write(fd.get(), cview(data), 0).wait_for(hang_bound) == transfer_state::success);
+  std::vector<std::byte> buf(8192);
+
+  SECTION("entirely past the end") {
+    ferry::transfer t = r.read(fd.get(), buf, 20000);
+    REQUIRE(t.wait_for(hang_bound) == transfer_state::failed);
+    CHECK(t.error() == ferry::errc::end_of_file);
+  }
+  SECTION("starting inside the file and running past its end") {
+    ferry::transfer t = r.read(fd.get(), buf, 4096);
+    REQUIRE(t.wait_for(hang_bound) == transfer_state::failed);
+    CHECK(t.error() == ferry::errc::end_of_file);
+    // The bytes that did exist arrived; the transfer still is not a success.
+    CHECK(std::equal(buf.begin(), buf.begin() + (10000 - 4096), data.begin() + 4096));
+  }
+}
+
+TEST_CASE("uring: short reads and writes are continued for the remainder", "[uring][concurrency]") {
+  FERRY_REQUIRE_URING();
+  ferry::progress_executor exec;
+  uring::ring r(exec);
+  int p[2];
+  REQUIRE(::pipe2(p, O_CLOEXEC) == 0);
+  fd_guard rd(p[0]), wr(p[1]);
+  const auto data = byte_pattern(3000, 11);
+  std::vector<std::byte> buf(data.size());
+  ferry::transfer t = r.read(rd.get(), buf, uring::current_position);
+  // The pipe delivers the block in three pieces, so the kernel completes the read short twice.
+  for (int i = 0; i < 3; ++i) {
+    std::this_thread::sleep_for(20ms);
+    CHECK(t.state() == transfer_state::pending);
+    REQUIRE(::write(wr.get(), data.data() + i * 1000, 1000) == 1000);
+  }
+  REQUIRE(t.wait_for(hang_bound) == transfer_state::success);
+  CHECK(buf == data);
+  CHECK(r.counters().resubmitted >= 2);
+}
+
+TEST_CASE("uring: cancelling a read on a pipe that never becomes readable", "[uring][concurrency]") {
+  FERRY_REQUIRE_URING();
+  ferry::progress_executor exec;
+  uring::ring r(exec);
+  int p[2];
+  REQUIRE(::pipe2(p, O_CLOEXEC) == 0);
+  fd_guard rd(p[0]), wr(p[1]);
+  std::vector<std::byte> buf(4096);
+
+  SECTION("the transfer turns cancelled once the kernel confirms") {
+    ferry::transfer t = r.read(rd.get(), buf, uring::current_position);
+    CHECK(t.wait_for(20ms) == transfer_state::pending);
+    r.cancel(t);
+    REQUIRE(t.wait_for(hang_bound) == transfer_state::cancelled);
+    CHECK(t.error() == ferry::errc::cancelled);
+    // The pipe is untouched: a later read gets the next bytes written.
+    ferry::transfer next = r.read(rd.get(), std::span(buf).first(3), uring::current_position);
+    REQUIRE(::write(wr.get(), "abc", 3) == 3);
+    REQUIRE(next.wait_for(hang_bound) == transfer_state::success);
+    CHECK(std::memcmp(buf.data(), "abc", 3) == 0);
+  }
+  SECTION("a deadline, then cancel, then drain: the buffer is free only after drain") {
+    std::vector<ferry::transfer> layer{r.read(rd.get(), buf, uring::current_position)};
+    const auto start = clock_type::now();
+    const ferry::batch_result w = ferry::wait_all(layer, 50ms);
+    CHECK(w.verdict == verdict::timed_out);
+    CHECK(ms_since(start) < 5000);
+    // The deadline left the read with the kernel.
+    CHECK(layer[0].state() == transfer_state::pending);
+    r.cancel(layer[0]);
+    const ferry::batch_result d = ferry::drain(layer, hang_bound);
+    CHECK(d.verdict != verdict::timed_out);
+    CHECK(layer[0].state() == transfer_state::cancelled);
+  }
+  SECTION("cancelling a finished transfer, or one from elsewhere, changes nothing") {
+    REQUIRE(::write(wr.get(), buf.data(), 10) == 10);
+    ferry::transfer t = r.read(rd.get(), std::span(buf).first(10), uring::current_position);
+    REQUIRE(t.wait_for(hang_bound) == transfer_state::success);
+    r.cancel(t);
+    auto [manual, completer] = ferry::make_manual_transfer();
+    r.cancel(manual);
+    r.cancel(ferry::transfer{});
+    std::this_thread::sleep_for(10ms);
+    CHECK(t.state() == transfer_state::success);
+    CHECK(manual.state() == transfer_state::pending);
+  }
+}
+
+TEST_CASE("uring: submissions beyond the completion queue wait instead of overflowing it",
+          "[uring][concurrency]") {
+  FERRY_REQUIRE_URING();
+  temp_dir dir;
+  fd_guard fd(open_file(dir.file("many")));
+  ferry::progress_executor exec;
+  uring::ring r(exec, uring::ring_options{.entries = 4});
+  REQUIRE(r.in_flight_limit() == 8);
+  const auto data = byte_pattern(1 << 16, 3);
+  REQUIRE(r.write(fd.get(), cview(data), 0).wait_for(hang_bound) == transfer_state::success);
+
+  constexpr std::size_t n = 2000;
+  std::vector<std::vector<std::byte>> bufs(n, std::vector<std::byte>(32));
+  std::vector<ferry::transfer> ts;
+  for (std::size_t i = 0; i < n; ++i) ts.push_back(r.read(fd.get(), bufs[i], (i * 32) % data.size()));
+  REQUIRE(ferry::wait_all(ts, hang_bound).verdict == verdict::success);
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto off = static_cast<std::ptrdiff_t>((i * 32) % data.size());
+    REQUIRE(std::equal(bufs[i].begin(), bufs[i].end(), data.begin() + off));
+  }
+  CHECK(r.counters().backlogged > 0);
+}
+
+TEST_CASE("uring: the executor parks on the ring and the kernel wakes it", "[uring][concurrency]") {
+  FERRY_REQUIRE_URING();
+  ferry::progress_executor exec(ferry::executor_options{.mode = ferry::progress_mode::park});
+  uring::ring r(exec);
+  int p[2];
+  REQUIRE(::pipe2(p, O_CLOEXEC) == 0);
+  fd_guard rd(p[0]), wr(p[1]);
+  std::vector<std::byte> buf(5);
+  ferry::transfer t = r.read(rd.get(), buf, uring::current_position);
+  // Parked: no submission will call notify() from here on; only the ring's descriptor can wake it.
+  REQUIRE(wait_until([&] { return exec.counters().parks > 0; }));
+  std::this_thread::sleep_for(20ms);
+  const auto wakeups = exec.counters().wakeups;
+  REQUIRE(::write(wr.get(), "hello", 5) == 5);
+  REQUIRE(t.wait_for(hang_bound) == transfer_state::success);
+  CHECK(std::memcmp(buf.data(), "hello", 5) == 0);
+  CHECK(exec.counters().wakeups == wakeups);
+}
+
+TEST_CASE("uring: destroying the ring cancels what the kernel holds and waits for it",
+          "[uring][concurrency]") {
+  FERRY_REQUIRE_URING();
+  ferry::progress_executor exec;
+  int p[2];
+  REQUIRE(::pipe2(p, O_CLOEXEC) == 0);
+  fd_guard rd(p[0]), wr(p[1]);
+  std::vector<std::byte> buf(64);
+  std::vector<ferry::transfer> ts;
+  {
+    uring::ring r(exec, uring::ring_options{.entries = 2});
+    for (int i = 0; i < 16; ++i) ts.push_back(r.read(rd.get(), buf, uring::current_position));
+    REQUIRE(wait_until([&] { return r.counters().submitted >= 4; }));
+  }
+  // Every transfer is terminal: those with the kernel were cancelled, the backlog never started.
+  std::size_t cancelled = 0;
+  std::size_t shut_down = 0;
+  for (const auto& t : ts) {
+    REQUIRE(t.done());
+    if (t.state() == transfer_state::cancelled) ++cancelled;
+    if (t.error() == ferry::errc::backend_shut_down) ++shut_down;
+  }
+  CHECK(cancelled >= 1);
+  CHECK(cancelled + shut_down == ts.size());
+  // Nothing reads the pipe any more.
+  REQUIRE(::write(wr.get(), "x", 1) == 1);
+  char c = 0;
+  CHECK(::read(rd.get(), &c, 1) == 1);
+}
+
+TEST_CASE("uring: 10^5 mixed reads and writes from several threads, every completion counted",
+          "[uring][concurrency]") {
+  FERRY_REQUIRE_URING();
+  temp_dir dir;
+  fd_guard fd(open_file(dir.file("stress")));
+  ferry::progress_executor exec;
+  uring::ring r(exec, uring::ring_options{.entries = 64});
+  constexpr int threads = 4;
+  constexpr int per_thread = 25000;
+  constexpr std::size_t block = 512;
+  constexpr int window = 64;  // each thread keeps this many in flight
+  REQUIRE(::ftruncate(fd.get(), threads * window * block) == 0);
+
+  std::atomic<int> succeeded{0};
+  std::atomic<int> mismatched{0};
+  std::vector<std::thread> workers;
+  for (int w = 0; w < threads; ++w) {
+    workers.emplace_back([&, w] {
+      std::vector<std::vector<std::byte>> out(window, std::vector<std::byte>(block));
+      std::vector<std::vector<std::byte>> in(window, std::vector<std::byte>(block));
+      std::vector<ferry::transfer> ts(window);
+      for (int i = 0; i < per_thread; i += 2 * window) {
+        // A window of writes of this thread's blocks, then a window of reads checking them.
+        for (int k = 0; k < window; ++k) {
+          std::fill(out[k].begin(), out[k].end(), static_cast<std::byte>((i / window + k + w) & 0xff));
+          ts[k] = r.write(fd.get(), std::span<const std::byte>(out[k]),
+                          (static_cast<std::uint64_t>(w) * window + k) * block);
+        }
+        for (auto& t : ts) succeeded += t.wait() == transfer_state::success ? 1 : 0;
+        for (int k = 0; k < window; ++k) {
+          ts[k] = r.read(fd.get(), in[k], (static_cast<std::uint64_t>(w) * window + k) * block);
+        }
+        for (int k = 0; k < window; ++k) {
+          succeeded += ts[k].wait() == transfer_state::success ? 1 : 0;
+          if (in[k] != out[k]) ++mismatched;
+        }
+      }
+    });
+  }
+  for (auto& t : workers) t.join();
+  const int expected = threads * ((per_thread + 2 * window - 1) / (2 * window)) * 2 * window;
+  CHECK(expected >= 100000);
+  CHECK(succeeded.load() == expected);
+  CHECK(mismatched.load() == 0);
+  CHECK(r.counters().completed >= static_cast<std::uint64_t>(expected));
+}
