@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 mode=${1:-}
 case "$mode" in
-  demo) packages="g++ meson ninja-build pkg-config liburing-dev libibverbs-dev" ;;
+  demo) packages="g++ meson ninja-build pkg-config liburing-dev libibverbs-dev fio" ;;
   test) packages="g++ clang meson ninja-build pkg-config catch2 cmake liburing-dev libibverbs-dev" ;;
   *) echo "usage: $0 demo|test" >&2; exit 2 ;;
 esac
@@ -28,6 +28,7 @@ if [ "$mode" = demo ]; then
   meson setup build-demo --buildtype=release -Dtests=false
   ninja -C build-demo -j "$jobs"
   ./build-demo/examples/hello_transfer
+  ./build-demo/examples/kv_over_tcp
   ./build-demo/bench/ferry_bench --quick
   exit 0
 fi

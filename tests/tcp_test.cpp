@@ -245,3 +245,26 @@ TEST_CASE("tcp: closing a connection ends its transfers", "[tcp][concurrency]") 
   ferry::transfer refused = c.server.receive(dst, a);
   CHECK(refused.error() == ferry::errc::connection_closed);
 }
+
+TEST_CASE("tcp: sends are never stuck behind receives that fill the ring", "[tcp][concurrency]") {
+  FERRY_REQUIRE_URING();
+  ferry::progress_executor exec;
+  uring::ring r(exec, uring::ring_options{.entries = 1});
+  uring::tcp_listener listener("127.0.0.1", 0);
+  std::vector<uring::tcp_connection> clients, servers;
+  constexpr std::size_t n = 6;
+  for (std::size_t i = 0; i < n; ++i) {
+    clients.push_back(uring::tcp_connection::connect(r, "127.0.0.1", listener.port()));
+    servers.push_back(listener.accept(r));
+  }
+  std::vector<std::vector<std::byte>> dst(n, std::vector<std::byte>(64));
+  std::vector<uring::received_block> got(n);
+  std::vector<ferry::transfer> receives;
+  for (std::size_t i = 0; i < n; ++i) receives.push_back(servers[i].receive(dst[i], got[i]));
+  const auto payload = byte_pattern(64, 3);
+  std::vector<ferry::transfer> sends;
+  for (std::size_t i = 0; i < n; ++i) sends.push_back(clients[i].send(i, payload));
+  REQUIRE(ferry::wait_all(sends, hang_bound).verdict == verdict::success);
+  REQUIRE(ferry::wait_all(receives, hang_bound).verdict == verdict::success);
+  for (std::size_t i = 0; i < n; ++i) CHECK(got[i].id == i);
+}

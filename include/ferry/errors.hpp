@@ -25,6 +25,8 @@ enum class errc : int {
   block_too_large,
   bad_frame,
   outside_registered_buffer,
+  empty_request,
+  submission_queue_full,
 };
 
 namespace detail {
@@ -70,6 +72,10 @@ class error_category_impl final : public std::error_category {
         return "received bytes are not a ferry block header (the peer is not speaking ferry's framing)";
       case errc::outside_registered_buffer:
         return "buffer does not lie inside the registered (fixed) buffer it names";
+      case errc::empty_request:
+        return "request was sealed with no transfers, so it cannot be a completed load";
+      case errc::submission_queue_full:
+        return "backend's submission queue stayed full until the request's deadline";
     }
     return "unknown ferry error " + std::to_string(value);
   }

@@ -14,6 +14,9 @@
 //
 // Bounds. At most as many operations are in flight as the completion queue has entries (cancel
 // requests included), so the CQ never overflows; beyond that, submissions wait in a FIFO backlog.
+// Part of the queue is kept for cancel requests, so a cancel always reaches the kernel, and socket
+// receives (which wait on a peer for as long as it takes) may use at most half of the rest, so
+// sends and file I/O always find room.
 //
 // Cancellation. cancel(t) asks the kernel with IORING_OP_ASYNC_CANCEL; the transfer turns cancelled
 // only when its own completion (-ECANCELED) arrives, so a buffer is never released while the kernel
@@ -29,6 +32,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -51,9 +55,10 @@ namespace ferry::uring {
 // character devices).
 inline constexpr std::uint64_t current_position = ~std::uint64_t{0};
 
+// Only the size is configurable: ferry's threading (the executor submits, any thread may destroy)
+// rules out SQPOLL, SINGLE_ISSUER and the deferred task-work modes.
 struct ring_options {
-  unsigned entries = 256;    // submission queue entries; the completion queue gets twice as many
-  unsigned setup_flags = 0;  // extra IORING_SETUP_* flags, or'ed into ferry's own
+  unsigned entries = 256;  // submission queue entries; the completion queue gets twice as many
 };
 
 // A descriptor registered with ring::register_files.
@@ -131,6 +136,7 @@ struct op;
 struct connection_state {
   int fd = -1;
   std::atomic<int> refs{1};
+  std::atomic<bool> closing{false};  // set by close(): nothing queued starts any more
   connection_state* list_prev = nullptr;
   connection_state* list_next = nullptr;
   bool listed = false;
@@ -155,6 +161,7 @@ struct op_body {
   op_kind kind = op_kind::read;
   bool fixed_file = false;
   bool cancel_requested = false;
+  bool cancelled_at_shutdown = false;
   bool receiving_payload = false;  // a receive has its header and is filling the payload
   int fd = -1;
   int buffer_index = -1;
@@ -197,6 +204,11 @@ struct op_queue {
   op* tail = nullptr;
 
   [[nodiscard]] bool empty() const noexcept { return head == nullptr; }
+  void push_front(op* o) noexcept {
+    o->next = head;
+    head = o;
+    if (tail == nullptr) tail = o;
+  }
   void push(op* o) noexcept {
     o->next = nullptr;
     if (tail == nullptr) {
@@ -242,15 +254,14 @@ class ring {
       throw std::invalid_argument("ferry::uring::ring_options::entries must be at least 1");
     }
     io_uring_params params{};
-    params.flags = IORING_SETUP_CLAMP | IORING_SETUP_CQSIZE | IORING_SETUP_SUBMIT_ALL |
-                   options.setup_flags;
-    params.cq_entries = 2 * options.entries;
+    params.flags = IORING_SETUP_CLAMP | IORING_SETUP_CQSIZE | IORING_SETUP_SUBMIT_ALL;
+    params.cq_entries = std::max(4u, 2 * options.entries);  // room for cancels, receives, the rest
     int r = ::io_uring_queue_init_params(options.entries, &ring_, &params);
     if (r == -EINVAL) {
       // A kernel before 5.18 has no SUBMIT_ALL; ferry does not depend on it.
       params = io_uring_params{};
-      params.flags = IORING_SETUP_CLAMP | IORING_SETUP_CQSIZE | options.setup_flags;
-      params.cq_entries = 2 * options.entries;
+      params.flags = IORING_SETUP_CLAMP | IORING_SETUP_CQSIZE;
+      params.cq_entries = std::max(4u, 2 * options.entries);  // room for cancels, receives, the rest
       r = ::io_uring_queue_init_params(options.entries, &ring_, &params);
     }
     if (r < 0) {
@@ -259,8 +270,15 @@ class ring {
                                   std::to_string(options.entries) + " entries)");
     }
     limit_ = params.cq_entries;
-    in_flight_.reserve(limit_);
-    exec_.add_source(*this);
+    cancel_room_ = std::max(1u, limit_ / 8);
+    receive_room_ = std::max(1u, (limit_ - cancel_room_) / 2);
+    try {
+      in_flight_.reserve(limit_);
+      exec_.add_source(*this);
+    } catch (...) {
+      ::io_uring_queue_exit(&ring_);
+      throw;
+    }
   }
 
   ring(const ring&) = delete;
@@ -278,24 +296,40 @@ class ring {
       std::abort();
     }
     exec_.remove_source(*this);
-    // From here this thread is the only one touching the ring.
+    // From here this thread is the only one touching the ring. Completing an operation may resume
+    // a continuation inline here, which may submit more: that is taken (and refused) each time
+    // round, until nothing is queued or in flight.
     shutting_down_ = true;
-    take_incoming();
-    while (op* o = backlog_.pop()) finish_unstarted(o);
-    if (!in_flight_.empty()) {
-      io_uring_sqe* sqe = next_sqe();
-      if (sqe != nullptr) {
-        ::io_uring_prep_cancel64(sqe, 0, IORING_ASYNC_CANCEL_ANY);
+    for (;;) {
+      take_incoming();
+      fail_backlogs();
+      if (in_flight_.empty() && cancels_in_flight_ == 0 &&
+          incoming_.load(std::memory_order_acquire) == nullptr) {
+        break;
+      }
+      // One cancel per operation, as CQ room allows (every kernel has these; CANCEL_ANY is 5.19+).
+      for (op* o : in_flight_) {
+        if (o->cancelled_at_shutdown) continue;
+        if (in_flight_.size() + cancels_in_flight_ >= limit_) break;
+        io_uring_sqe* sqe = next_sqe();
+        if (sqe == nullptr) break;
+        ::io_uring_prep_cancel64(sqe, reinterpret_cast<std::uintptr_t>(o), 0);
         ::io_uring_sqe_set_data64(sqe, 0);
+        o->cancel_requested = true;
+        o->cancelled_at_shutdown = true;
         ++cancels_in_flight_;
       }
-    }
-    while (!in_flight_.empty() || cancels_in_flight_ != 0) {
       flush();
+      if (in_flight_.empty() && cancels_in_flight_ == 0) continue;
       io_uring_cqe* cqe = nullptr;
       const int r = ::io_uring_wait_cqe(&ring_, &cqe);
-      if (r == -EINTR) continue;
-      if (r < 0) break;  // the ring is unusable; exiting it below still waits for the kernel
+      if (r == -EINTR || r == -EAGAIN) continue;
+      if (r < 0) {
+        // The kernel may still write into buffers it holds; returning would free them under it.
+        std::fprintf(stderr, "ferry: uring::ring destroyed but io_uring_wait_cqe failed (%s)\n",
+                     std::strerror(-r));
+        std::abort();
+      }
       const std::uint64_t data = cqe->user_data;
       const int res = cqe->res;
       ::io_uring_cqe_seen(&ring_, cqe);
@@ -586,20 +620,46 @@ class ring {
     }
   }
 
-  // Issues `o` now if the ring has room, else queues it behind the backlog (order is kept).
+  // Issues `o` now if the ring has room for its kind, else queues it behind the others of its kind
+  // (order is kept within each).
   void start(op* o) noexcept {
     if (shutting_down_) {
       finish_unstarted(o);
       return;
     }
-    if (!backlog_.empty() || !issue(o)) {
-      backlog_.push(o);
+    detail::op_queue& q = backlog_for(o);
+    if (!q.empty() || !issue(o)) {
+      q.push(o);
       backlogged_.fetch_add(1, std::memory_order_relaxed);
     }
   }
 
+  detail::op_queue& backlog_for(const op* o) noexcept {
+    if (o->kind == op_kind::cancel) return cancel_backlog_;
+    if (o->kind == op_kind::receive) return receive_backlog_;
+    return backlog_;
+  }
+
   void pump() noexcept {
-    while (!backlog_.empty() && issue(backlog_.head)) backlog_.pop();
+    pump(cancel_backlog_);
+    pump(backlog_);
+    pump(receive_backlog_);
+  }
+
+  // Popped before it is issued: issuing a stale cancel releases it.
+  void pump(detail::op_queue& q) noexcept {
+    while (op* o = q.pop()) {
+      if (!issue(o)) {
+        q.push_front(o);
+        return;
+      }
+    }
+  }
+
+  void fail_backlogs() noexcept {
+    for (detail::op_queue* q : {&cancel_backlog_, &backlog_, &receive_backlog_}) {
+      while (op* o = q->pop()) finish_unstarted(o);
+    }
   }
 
   io_uring_sqe* next_sqe() noexcept {
@@ -620,7 +680,7 @@ class ring {
 
   // Prepares an SQE for `o` if both the CQ bound and the SQ allow it.
   bool issue(op* o) noexcept {
-    if (in_flight_.size() + cancels_in_flight_ >= limit_) return false;
+    if (!has_room(o->kind)) return false;
     if (o->kind == op_kind::cancel) {
       // The target may have finished while this request waited in the backlog.
       // Found in in_flight_ before it is read: a finished target may be back in the pool.
@@ -638,13 +698,24 @@ class ring {
     if (o->kind == op_kind::cancel) {
       ++cancels_in_flight_;
     } else {
+      if (o->kind == op_kind::receive) ++receives_in_flight_;
       o->slot = in_flight_.size();
       in_flight_.push_back(o);
     }
     return true;
   }
 
+  // The CQ bound: cancels have room of their own; socket receives, which may wait on a peer
+  // indefinitely, never take more than their share, so sends and file I/O always get in.
+  bool has_room(op_kind kind) const noexcept {
+    if (in_flight_.size() + cancels_in_flight_ >= limit_) return false;
+    if (kind == op_kind::cancel) return cancels_in_flight_ < cancel_room_;
+    if (in_flight_.size() >= limit_ - cancel_room_) return false;
+    return kind != op_kind::receive || receives_in_flight_ < receive_room_;
+  }
+
   void retire(op* o) noexcept {
+    if (o->kind == op_kind::receive) --receives_in_flight_;
     op* last = in_flight_.back();
     in_flight_[o->slot] = last;
     last->slot = o->slot;
@@ -843,6 +914,7 @@ class ring {
   }
 
   void next_send(detail::connection_state* c) noexcept {
+    if (c->closing.load(std::memory_order_acquire)) return;  // detach cancels what is queued
     while (op* o = pop_front(c->send_head, c->send_tail)) {
       if (c->send_error) {
         finish(o, transfer_state::failed, c->send_error);
@@ -907,6 +979,7 @@ class ring {
   }
 
   void next_receive(detail::connection_state* c) noexcept {
+    if (c->closing.load(std::memory_order_acquire)) return;  // detach cancels what is queued
     while (op* o = pop_front(c->receive_head, c->receive_tail)) {
       if (c->receive_error) {
         finish(o, transfer_state::failed, c->receive_error);
@@ -1018,13 +1091,15 @@ class ring {
       start(c);
       return;
     }
-    if (op* o = backlog_.remove(s)) {
+    op* o = backlog_.remove(s);
+    if (o == nullptr) o = receive_backlog_.remove(s);
+    if (o != nullptr) {
       release_cancel(c);
       return cancel_backlogged(o);
     }
     for (detail::connection_state* conn = connections_head_; conn != nullptr;
          conn = conn->list_next) {
-      op* o = unlink(conn->send_head, conn->send_tail, s);
+      o = unlink(conn->send_head, conn->send_tail, s);
       if (o == nullptr) o = unlink(conn->receive_head, conn->receive_tail, s);
       if (o != nullptr) {
         release_cancel(c);
@@ -1129,7 +1204,12 @@ class ring {
   // The executor thread's state.
   alignas(64) std::vector<op*> in_flight_;
   unsigned cancels_in_flight_ = 0;
-  detail::op_queue backlog_;
+  unsigned receives_in_flight_ = 0;
+  unsigned cancel_room_ = 1;   // CQ entries only cancels may use
+  unsigned receive_room_ = 1;  // the most socket receives in flight at once
+  detail::op_queue backlog_;          // file I/O and sends
+  detail::op_queue receive_backlog_;  // socket receives
+  detail::op_queue cancel_backlog_;
   bool shutting_down_ = false;
 
   detail::connection_state* connections_head_ = nullptr;

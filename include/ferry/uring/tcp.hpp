@@ -124,6 +124,9 @@ class tcp_connection {
 
   void close() noexcept {
     if (state_ == nullptr) return;
+    // Release pairs with the acquire in ring::next_send/next_receive: once the shutdown fails the
+    // operation in flight, nothing queued behind it starts.
+    state_->closing.store(true, std::memory_order_release);
     ::shutdown(state_->fd, SHUT_RDWR);
     detail::op* d = nullptr;
     try {

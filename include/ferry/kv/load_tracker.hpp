@@ -1,0 +1,441 @@
+#pragma once
+// The decode side of a disaggregated inference server: every request's KV cache arrives as transfers,
+// one or more per model layer, into destination blocks. The tracker answers the engine's questions
+// without ever driving progress:
+//
+//   - is request R done? (verdict: a few atomic loads; never blocks, changes nothing)
+//   - wait for layer L across every request of this step (so layer L computes while L+1… stream in)
+//   - which requests have finished (every transfer terminal), so their producer may free its blocks
+//     (the release callback fires once per request, never while anything may still write)
+//   - which destination blocks failed to load and must be recomputed (each reported once)
+//
+// A hybrid request (attention plus recurrent state, which no recomputed prefix can repair) that fails
+// or times out raises transfer_error instead, before the tracker changes anything, and again each
+// time it is asked, until the engine aborts it.
+//
+// One engine thread calls the tracker; completions arrive from the progress executor through the
+// transfers themselves, so the tracker needs no lock of its own.
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "ferry/batch_result.hpp"
+#include "ferry/errors.hpp"
+#include "ferry/kv/post.hpp"
+#include "ferry/transfer.hpp"
+#include "ferry/wait_all.hpp"
+#include "ferry/when_all.hpp"
+
+namespace ferry::kv {
+
+using request_id = std::uint64_t;
+using block_id = std::uint64_t;
+using clock = std::chrono::steady_clock;
+
+enum class request_verdict { pending, success, failed, timed_out };
+
+[[nodiscard]] constexpr const char* to_string(request_verdict v) noexcept {
+  switch (v) {
+    case request_verdict::pending: return "pending";
+    case request_verdict::success: return "success";
+    case request_verdict::failed: return "failed";
+    case request_verdict::timed_out: return "timed_out";
+  }
+  return "invalid";
+}
+
+struct request_options {
+  // Attention plus recurrent state (mamba, KDA, ...): a failed load cannot be repaired by
+  // recomputing a prefix, so it raises transfer_error rather than reporting blocks.
+  bool hybrid = false;
+  // A request whose age is strictly greater than this, with transfers still pending and none
+  // failed, has timed out.
+  std::chrono::nanoseconds abort_timeout = std::chrono::seconds(60);
+};
+
+// A hybrid request's load failed or timed out. Nothing was changed when it was raised.
+class transfer_error : public std::runtime_error {
+ public:
+  transfer_error(request_id request, std::size_t member, std::size_t layer, std::error_code error,
+                 bool timed_out)
+      : std::runtime_error(describe(request, member, layer, error, timed_out)),
+        request_(request),
+        member_(member),
+        layer_(layer),
+        error_(error),
+        timed_out_(timed_out) {}
+
+  [[nodiscard]] request_id request() const noexcept { return request_; }
+  // The failing transfer: its position among the request's transfers (in the order they were
+  // added) and its layer. For a timeout, the first transfer still pending.
+  [[nodiscard]] std::size_t member() const noexcept { return member_; }
+  [[nodiscard]] std::size_t layer() const noexcept { return layer_; }
+  [[nodiscard]] std::error_code error() const noexcept { return error_; }
+  [[nodiscard]] bool timed_out() const noexcept { return timed_out_; }
+
+ private:
+  static std::string describe(request_id request, std::size_t member, std::size_t layer,
+                              std::error_code error, bool timed_out) {
+    std::string s = "ferry::kv: hybrid request " + std::to_string(request) + ": ";
+    if (timed_out) {
+      s += "timed out with transfer " + std::to_string(member) + " (layer " +
+           std::to_string(layer) + ") still pending";
+    } else {
+      s += "transfer " + std::to_string(member) + " (layer " + std::to_string(layer) +
+           ") failed: " + error.message();
+    }
+    return s + "; recurrent state cannot be recomputed from a prefix, abort the request";
+  }
+
+  request_id request_;
+  std::size_t member_;
+  std::size_t layer_;
+  std::error_code error_;
+  bool timed_out_;
+};
+
+// A request the tracker has let go of: every one of its transfers was terminal.
+struct finished_request {
+  request_id id = 0;
+  request_verdict verdict = request_verdict::pending;
+  std::optional<std::size_t> first_failed;  // the member whose failure came first in time
+  std::error_code error;
+  bool aborted = false;
+};
+
+class load_tracker {
+ public:
+  // release(id, verdict) tells the producer that request `id` no longer needs its source blocks. It is
+  // called from take_finished, exactly once per request, when every transfer of the request is
+  // terminal.
+  using release_fn = std::function<void(request_id, request_verdict)>;
+
+  // A request being registered, as returned by add_request.
+  class request_handle {
+   public:
+    [[nodiscard]] request_id id() const noexcept { return id_; }
+
+   private:
+    friend class load_tracker;
+    request_handle(request_id id, std::uint32_t slot) noexcept : id_(id), slot_(slot) {}
+    request_id id_;
+    std::uint32_t slot_;
+  };
+
+  explicit load_tracker(release_fn release = {}) : release_(std::move(release)) {}
+
+  // --- Registration ---
+
+  // Starts a step: layer waits and drain_step cover the transfers added from here on.
+  void begin_step() {
+    for (auto& layer : step_layers_) layer.clear();
+  }
+
+  // Starts tracking a request; its age counts from `created`.
+  request_handle add_request(request_id id, request_options options = {},
+                             clock::time_point created = clock::now()) {
+    if (options.abort_timeout < std::chrono::nanoseconds::zero()) {
+      throw std::invalid_argument("ferry::kv::load_tracker: request " + std::to_string(id) +
+                                  " has a negative abort_timeout");
+    }
+    if (index_.contains(id)) {
+      throw std::invalid_argument("ferry::kv::load_tracker: request " + std::to_string(id) +
+                                  " is already tracked");
+    }
+    std::uint32_t slot;
+    if (!free_slots_.empty()) {
+      slot = free_slots_.back();
+      free_slots_.pop_back();
+    } else {
+      slot = static_cast<std::uint32_t>(requests_.size());
+      requests_.emplace_back();
+    }
+    request_entry& r = requests_[slot];
+    r.id = id;
+    r.options = options;
+    r.created = created;
+    r.live = true;
+    r.sealed = false;
+    r.aborted = false;
+    r.members.clear();
+    r.blocks.clear();
+    index_.emplace(id, slot);
+    return request_handle(id, slot);
+  }
+
+  // Registers one transfer of the request: its layer and the destination blocks it writes.
+  void add(request_handle h, std::size_t layer, transfer t, std::span<const block_id> destination) {
+    request_entry& r = entry(h, "add");
+    if (r.sealed) {
+      throw std::logic_error("ferry::kv::load_tracker::add: request " + std::to_string(h.id_) +
+                             " is sealed; every transfer must be added before seal()");
+    }
+    if (layer >= step_layers_.size()) step_layers_.resize(layer + 1);
+    step_layers_[layer].push_back(t);
+    const auto begin = static_cast<std::uint32_t>(r.blocks.size());
+    r.blocks.insert(r.blocks.end(), destination.begin(), destination.end());
+    r.members.push_back(member{std::move(t), static_cast<std::uint32_t>(layer), begin,
+                               static_cast<std::uint32_t>(r.blocks.size()), false});
+  }
+
+  // Posts through `submit` and registers the result. `submit()` returns a transfer, or nullopt when
+  // the backend's submission queue is full; then it is retried with exponential backoff until the
+  // request's deadline (created + abort_timeout), after which an already-failed transfer
+  // (errc::submission_queue_full) is registered and takes the ordinary failure path.
+  template <class Submit>
+  void post(request_handle h, std::size_t layer, std::span<const block_id> destination,
+            Submit&& submit) {
+    const request_entry& r = entry(h, "post");
+    const clock::time_point deadline = r.created + r.options.abort_timeout;
+    add(h, layer, post_with_backoff(std::forward<Submit>(submit), deadline), destination);
+  }
+
+  // Every transfer of the request has been added: only now can it be done.
+  void seal(request_handle h) { entry(h, "seal").sealed = true; }
+
+  // The engine gives up on the request (after a transfer_error, for one): it no longer raises, its
+  // blocks are not reported, and it is released once every transfer is terminal.
+  void abort_request(request_id id) {
+    request_entry& r = requests_[lookup(id, "abort_request")];
+    r.aborted = true;
+    r.sealed = true;
+  }
+
+  // --- Questions ---
+
+  // Never blocks, never drives progress, changes nothing. Unsealed: pending. Raises transfer_error for
+  // a hybrid request that failed or timed out (unless aborted).
+  [[nodiscard]] request_verdict verdict(request_id id, clock::time_point now = clock::now()) const {
+    const request_entry& r = requests_[lookup(id, "verdict")];
+    const assessment a = assess(r, now);
+    raise_if_hybrid(r, a);
+    return a.verdict;
+  }
+
+  // The step's transfers of `layer`, across every request (empty if none).
+  [[nodiscard]] std::span<const transfer> layer_transfers(std::size_t layer) const noexcept {
+    if (layer >= step_layers_.size()) return {};
+    return step_layers_[layer];
+  }
+
+  // Blocks until the layer's verdict (failed as soon as any member fails), or the deadline.
+  template <class Rep, class Period>
+  [[nodiscard]] batch_result wait_layer(std::size_t layer,
+                                        std::chrono::duration<Rep, Period> timeout) const {
+    return wait_all(layer_transfers(layer), timeout);
+  }
+
+  // co_await tracker.when_layer(L, deadline): the same, on the awaiting coroutine's scheduler. Add
+  // nothing to the layer while it is awaited.
+  template <class Rep, class Period>
+  [[nodiscard]] when_all_awaitable when_layer(std::size_t layer,
+                                              std::chrono::duration<Rep, Period> timeout) const {
+    return when_all(layer_transfers(layer), timeout);
+  }
+
+  // The step barrier: waits until every transfer added in this step is terminal, failures
+  // included, or the one deadline passes (for engines that cannot wait inside a captured graph).
+  template <class Rep, class Period>
+  [[nodiscard]] batch_result drain_step(std::chrono::duration<Rep, Period> timeout) const {
+    const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(timeout);
+    const bool forever = timeout < std::chrono::duration<Rep, Period>::zero();
+    batch_result total;
+    std::uint64_t first_sequence = 0;
+    std::size_t base = 0;
+    for (const auto& layer : step_layers_) {
+      const auto left = forever ? std::chrono::nanoseconds(-1)
+                                : std::max(std::chrono::nanoseconds::zero(),
+                                           std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                               deadline - clock::now()));
+      const batch_result r = drain(layer, left);
+      total.pending += r.pending;
+      if (r.first_failed) {
+        const std::uint64_t seq = sequence_of(layer[*r.first_failed]);
+        if (!total.first_failed || seq < first_sequence) {
+          total.first_failed = base + *r.first_failed;
+          total.error = r.error;
+          first_sequence = seq;
+        }
+      }
+      base += layer.size();
+    }
+    total.verdict = total.first_failed ? verdict::failed
+                    : total.pending != 0 ? verdict::timed_out
+                                         : verdict::success;
+    return total;
+  }
+
+  // Hands back every sealed request whose transfers are all terminal, firing its release exactly
+  // once, and stops tracking it. Raises transfer_error, changing nothing, if a hybrid request has
+  // failed or timed out and has not been aborted.
+  [[nodiscard]] std::vector<finished_request> take_finished(clock::time_point now = clock::now()) {
+    // First look at everything, so that a raise leaves the tracker exactly as it was.
+    finished_scratch_.clear();
+    for (std::uint32_t slot = 0; slot < requests_.size(); ++slot) {
+      const request_entry& r = requests_[slot];
+      if (!r.live || !r.sealed) continue;
+      const assessment a = assess(r, now);
+      raise_if_hybrid(r, a);
+      if (a.pending == 0) finished_scratch_.push_back({slot, a});
+    }
+    std::vector<finished_request> out;
+    out.reserve(finished_scratch_.size());
+    for (const auto& [slot, a] : finished_scratch_) {
+      request_entry& r = requests_[slot];
+      if (!r.options.hybrid && !r.aborted) collect_failed_blocks(r, unclaimed_blocks_);
+      finished_request f{r.id, a.verdict, a.first_failed, a.error, r.aborted};
+      r.live = false;
+      index_.erase(r.id);
+      free_slots_.push_back(slot);
+      out.push_back(f);
+    }
+    for (const finished_request& f : out) {
+      if (release_) release_(f.id, f.verdict);
+    }
+    return out;
+  }
+
+  // Destination blocks whose load failed (or was cancelled), each reported once, and only once the
+  // transfer writing them is terminal. Hybrid and aborted requests report none.
+  [[nodiscard]] std::vector<block_id> drain_failed_blocks() {
+    std::vector<block_id> out = std::move(unclaimed_blocks_);
+    unclaimed_blocks_.clear();
+    for (request_entry& r : requests_) {
+      if (r.live && !r.options.hybrid && !r.aborted) collect_failed_blocks(r, out);
+    }
+    return out;
+  }
+
+  [[nodiscard]] std::size_t tracked() const noexcept { return index_.size(); }
+  [[nodiscard]] bool tracks(request_id id) const noexcept { return index_.contains(id); }
+
+ private:
+  struct member {
+    transfer t;
+    std::uint32_t layer;
+    std::uint32_t blocks_begin;
+    std::uint32_t blocks_end;
+    bool reported;
+  };
+
+  struct request_entry {
+    request_id id = 0;
+    request_options options;
+    clock::time_point created;
+    bool live = false;
+    bool sealed = false;
+    bool aborted = false;
+    std::vector<member> members;
+    std::vector<block_id> blocks;
+  };
+
+  struct assessment {
+    request_verdict verdict = request_verdict::pending;
+    std::size_t pending = 0;
+    std::optional<std::size_t> first_failed;
+    std::error_code error;
+    std::optional<std::size_t> first_pending;
+  };
+
+  static std::uint64_t sequence_of(const transfer& t) noexcept {
+    return t.status() == nullptr ? 0 : t.status()->event().sequence;
+  }
+
+  // Failure wins over timeout and pending; all done is success whatever the age; a timeout needs an
+  // age strictly greater than the limit.
+  static assessment assess(const request_entry& r, clock::time_point now) noexcept {
+    assessment a;
+    if (!r.sealed) {
+      a.pending = 1;  // never finished, never done
+      return a;
+    }
+    if (r.members.empty()) {
+      a.verdict = request_verdict::failed;
+      a.error = make_error_code(errc::empty_request);
+      return a;
+    }
+    std::uint64_t first_sequence = 0;
+    for (std::size_t i = 0; i < r.members.size(); ++i) {
+      const transfer& t = r.members[i].t;
+      const transfer_state s = t.state();
+      if (s == transfer_state::success) continue;
+      if (s == transfer_state::pending) {
+        if (a.pending++ == 0) a.first_pending = i;
+        continue;
+      }
+      const std::uint64_t seq = sequence_of(t);
+      if (!a.first_failed || seq < first_sequence) {
+        a.first_failed = i;
+        a.error = t.error();
+        first_sequence = seq;
+      }
+    }
+    if (a.first_failed) {
+      a.verdict = request_verdict::failed;
+    } else if (a.pending == 0) {
+      a.verdict = request_verdict::success;
+    } else if (now - r.created > r.options.abort_timeout) {
+      a.verdict = request_verdict::timed_out;
+    }
+    return a;
+  }
+
+  static void raise_if_hybrid(const request_entry& r, const assessment& a) {
+    if (!r.options.hybrid || r.aborted) return;
+    if (a.verdict == request_verdict::failed) {
+      const std::size_t m = a.first_failed.value_or(0);
+      throw transfer_error(r.id, m, r.members.empty() ? 0 : r.members[m].layer, a.error, false);
+    }
+    if (a.verdict == request_verdict::timed_out) {
+      const std::size_t m = a.first_pending.value_or(0);
+      throw transfer_error(r.id, m, r.members[m].layer, {}, true);
+    }
+  }
+
+  static void collect_failed_blocks(request_entry& r, std::vector<block_id>& out) {
+    for (member& m : r.members) {
+      if (m.reported) continue;
+      const transfer_state s = m.t.state();
+      if (s == transfer_state::success || s == transfer_state::pending) continue;
+      m.reported = true;
+      out.insert(out.end(), r.blocks.begin() + m.blocks_begin, r.blocks.begin() + m.blocks_end);
+    }
+  }
+
+  std::uint32_t lookup(request_id id, const char* what) const {
+    const auto it = index_.find(id);
+    if (it == index_.end()) {
+      throw std::out_of_range(std::string("ferry::kv::load_tracker::") + what + ": request " +
+                              std::to_string(id) + " is not tracked");
+    }
+    return it->second;
+  }
+
+  request_entry& entry(request_handle h, const char* what) {
+    if (h.slot_ >= requests_.size() || !requests_[h.slot_].live || requests_[h.slot_].id != h.id_) {
+      throw std::out_of_range(std::string("ferry::kv::load_tracker::") + what + ": request " +
+                              std::to_string(h.id_) + " is not tracked (finished or never added)");
+    }
+    return requests_[h.slot_];
+  }
+
+  release_fn release_;
+  std::vector<request_entry> requests_;
+  std::vector<std::uint32_t> free_slots_;
+  std::unordered_map<request_id, std::uint32_t> index_;
+  std::vector<std::vector<transfer>> step_layers_;
+  std::vector<block_id> unclaimed_blocks_;  // from requests finished before their blocks were drained
+  std::vector<std::pair<std::uint32_t, assessment>> finished_scratch_;
+};
+
+}  // namespace ferry::kv
