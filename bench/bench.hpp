@@ -11,5 +11,6 @@ void run_when_all(const options& opt);
 void run_throughput(const options& opt);
 void run_uring(const options& opt);  // only where liburing was found
 void run_tcp(const options& opt);
+void run_kv(const options& opt);
 
 }  // namespace ferry_bench

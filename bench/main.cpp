@@ -1,6 +1,6 @@
 // ferry's microbenchmarks. Every figure is measured in this process, next to its baseline, and the
 // targets are printed as ratios.
-// Usage: ferry_bench [--quick] [latency] [when_all] [throughput] [uring] [tcp]
+// Usage: ferry_bench [--quick] [latency] [when_all] [throughput] [uring] [tcp] [kv]
 
 #include <cstdio>
 #include <cstring>
@@ -12,7 +12,8 @@
 
 int main(int argc, char** argv) {
   ferry_bench::options opt;
-  bool latency = false, when_all = false, throughput = false, uring = false, tcp = false;
+  bool latency = false, when_all = false, throughput = false, uring = false, tcp = false,
+       kv = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--quick") {
@@ -27,14 +28,16 @@ int main(int argc, char** argv) {
       uring = true;
     } else if (a == "tcp") {
       tcp = true;
+    } else if (a == "kv") {
+      kv = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--quick] [latency] [when_all] [throughput] [uring] [tcp]\n",
+      std::fprintf(stderr, "usage: %s [--quick] [latency] [when_all] [throughput] [uring] [tcp] [kv]\n",
                    argv[0]);
       return 2;
     }
   }
-  if (!latency && !when_all && !throughput && !uring && !tcp) {
-    latency = when_all = throughput = uring = tcp = true;
+  if (!latency && !when_all && !throughput && !uring && !tcp && !kv) {
+    latency = when_all = throughput = uring = tcp = kv = true;
   }
 
   std::printf("# ferry benchmarks%s (%u hardware threads)\n", opt.quick ? " (quick)" : "",
@@ -42,6 +45,7 @@ int main(int argc, char** argv) {
   if (latency) ferry_bench::run_latency(opt);
   if (when_all) ferry_bench::run_when_all(opt);
   if (throughput) ferry_bench::run_throughput(opt);
+  if (kv) ferry_bench::run_kv(opt);
 #if FERRY_BENCH_URING
   if (uring) ferry_bench::run_uring(opt);
   if (tcp) ferry_bench::run_tcp(opt);

@@ -27,8 +27,7 @@ if [ "$mode" = demo ]; then
   rm -rf build-demo
   meson setup build-demo --buildtype=release -Dtests=false
   ninja -C build-demo -j "$jobs"
-  ./build-demo/examples/hello_transfer
-  ./build-demo/examples/kv_over_tcp
+  ./build-demo/examples/inference_engine
   ./build-demo/bench/ferry_bench --quick
   exit 0
 fi
