@@ -268,3 +268,44 @@ TEST_CASE("tcp: sends are never stuck behind receives that fill the ring", "[tcp
   REQUIRE(ferry::wait_all(receives, hang_bound).verdict == verdict::success);
   for (std::size_t i = 0; i < n; ++i) CHECK(got[i].id == i);
 }
+
+TEST_CASE("tcp: cancelling sends stuck on a full socket ends every one, and the stream stays framed",
+          "[tcp][concurrency]") {
+  FERRY_REQUIRE_URING();
+  ferry::progress_executor exec;
+  uring::ring r(exec);
+  connected_pair c(r);
+  constexpr std::size_t n = 48;
+  constexpr std::size_t block = 1 << 20;
+  std::vector<std::vector<std::byte>> payloads;
+  for (std::size_t i = 0; i < n; ++i) payloads.push_back(byte_pattern(block, static_cast<unsigned>(i)));
+  // Nobody receives yet: the socket buffers fill and the sends stall, coalesced in groups.
+  std::vector<ferry::transfer> sends;
+  for (std::size_t i = 0; i < n; ++i) sends.push_back(c.client.send(i, payloads[i]));
+  std::this_thread::sleep_for(50ms);
+  for (const auto& t : sends) r.cancel(t);
+  // Let the receiver drain the socket, so that whatever was not cancelled can finish.
+  std::vector<std::byte> dst(block);
+  std::size_t received = 0;
+  bool intact = true;
+  std::thread reader([&] {
+    for (;;) {
+      uring::received_block got;
+      if (c.server.receive(dst, got).wait() != transfer_state::success) break;
+      if (got.id != received || got.length != block ||
+          !std::equal(dst.begin(), dst.end(), payloads[received].begin())) {
+        intact = false;
+      }
+      ++received;
+    }
+  });
+  REQUIRE(ferry::drain(sends, hang_bound).pending == 0);
+  // Successes form a prefix; after them nothing succeeds.
+  std::size_t succeeded = 0;
+  while (succeeded < n && sends[succeeded].state() == transfer_state::success) ++succeeded;
+  for (std::size_t i = succeeded; i < n; ++i) CHECK(sends[i].state() != transfer_state::success);
+  c.client.close();
+  reader.join();
+  CHECK(intact);
+  CHECK(received == succeeded);
+}

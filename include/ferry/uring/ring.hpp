@@ -146,6 +146,15 @@ struct connection_state {
   op* receive_tail = nullptr;
   bool sending = false;
   bool receiving = false;
+  // The sends in flight: queued frames coalesced into one sendmsg, the first of them (the lead)
+  // owning the SQE. Frames complete when the whole group has gone out, or it is cut short.
+  static constexpr unsigned max_send_group = 16;
+  op* send_group[max_send_group] = {};
+  unsigned send_group_size = 0;
+  std::size_t group_length = 0;
+  std::size_t group_done = 0;
+  iovec send_live[2 * max_send_group] = {};
+  msghdr send_message{};
   std::error_code send_error;     // once set, every later send fails with it
   std::error_code receive_error;  // likewise for receives
 
@@ -791,23 +800,25 @@ class ring {
     }
   }
 
-  static void prepare_send(io_uring_sqe* sqe, op* o) noexcept {
-    std::size_t skip = o->done;
-    std::size_t index = 0;
-    while (index < 1 && skip >= o->parts[index].iov_len) skip -= o->parts[index++].iov_len;
+  // The group's frames from where the kernel stopped: header and payload of each.
+  static void prepare_send(io_uring_sqe* sqe, op* lead) noexcept {
+    detail::connection_state* c = lead->connection;
+    std::size_t skip = c->group_done;
     std::size_t count = 0;
-    for (std::size_t i = index; i < 2; ++i) {
-      iovec v = o->parts[i];
-      if (i == index) {
-        v.iov_base = static_cast<std::byte*>(v.iov_base) + skip;
-        v.iov_len -= skip;
+    for (unsigned i = 0; i < c->send_group_size; ++i) {
+      for (const iovec& part : c->send_group[i]->parts) {
+        if (skip >= part.iov_len) {
+          skip -= part.iov_len;
+          continue;
+        }
+        c->send_live[count++] = iovec{static_cast<std::byte*>(part.iov_base) + skip, part.iov_len - skip};
+        skip = 0;
       }
-      if (v.iov_len != 0) o->live[count++] = v;
     }
-    o->message = msghdr{};
-    o->message.msg_iov = o->live;
-    o->message.msg_iovlen = count;
-    ::io_uring_prep_sendmsg(sqe, o->fd, &o->message, MSG_NOSIGNAL | MSG_WAITALL);
+    c->send_message = msghdr{};
+    c->send_message.msg_iov = c->send_live;
+    c->send_message.msg_iovlen = count;
+    ::io_uring_prep_sendmsg(sqe, lead->fd, &c->send_message, MSG_NOSIGNAL | MSG_WAITALL);
   }
 
   std::size_t reap(std::size_t budget) noexcept {
@@ -913,57 +924,100 @@ class ring {
     if (!c->sending) next_send(c);
   }
 
+  // Starts the next group: as many queued frames as fit, sent with one sendmsg.
   void next_send(detail::connection_state* c) noexcept {
     if (c->closing.load(std::memory_order_acquire)) return;  // detach cancels what is queued
-    while (op* o = pop_front(c->send_head, c->send_tail)) {
+    c->send_group_size = 0;
+    c->group_length = 0;
+    c->group_done = 0;
+    while (c->send_group_size < detail::connection_state::max_send_group) {
+      op* o = pop_front(c->send_head, c->send_tail);
+      if (o == nullptr) break;
       if (c->send_error) {
-        finish(o, transfer_state::failed, c->send_error);
+        finish(o, transfer_state::failed, c->send_error);  // the ring's list keeps `c` alive
         continue;
       }
-      c->sending = true;
-      start(o);
-      return;
+      c->send_group[c->send_group_size++] = o;
+      c->group_length += o->length;
     }
+    if (c->send_group_size == 0) return;
+    c->sending = true;
+    start(c->send_group[0]);
   }
 
-  void on_send(op* o, int res) noexcept {
-    detail::connection_state* c = o->connection;
+  void on_send(op* lead, int res) noexcept {
+    detail::connection_state* c = lead->connection;
     if (res > 0) {
-      o->done += static_cast<std::size_t>(res);
-      if (o->done == o->length) {
-        c->sending = false;
-        end_connection_op(o, transfer_state::success, {});
-        return;
-      }
-      if (!o->cancel_requested && !shutting_down_) {
+      c->group_done += static_cast<std::size_t>(res);
+      if (c->group_done == c->group_length) return end_send_group(c, false, {});
+      if (!lead->cancel_requested && !shutting_down_) {
         resubmitted_.fetch_add(1, std::memory_order_relaxed);
-        start(o);
+        start(lead);
         return;
       }
-    } else if (res == -EINTR && !o->cancel_requested && !shutting_down_) {
-      start(o);
+    } else if (res == -EINTR && !lead->cancel_requested && !shutting_down_) {
+      start(lead);
       return;
     }
-    // The send ends short of its frame. If any byte of the frame went out, the stream is out of
-    // step and every later send on the connection fails.
-    transfer_state to = transfer_state::failed;
     std::error_code ec;
-    if (res < 0 && !was_cancelled(o, res)) {
+    bool cancelled = false;
+    if (res < 0 && !was_cancelled(lead, res)) {
       ec = detail::system_error_code(-res);
     } else if (res == 0) {
       ec = make_error_code(errc::connection_closed);
-    } else if (o->cancel_requested) {
-      to = transfer_state::cancelled;
+    } else if (lead->cancel_requested) {
+      cancelled = true;
     } else {
       ec = make_error_code(errc::backend_shut_down);
     }
-    if (!c->send_error && (o->done != 0 || to == transfer_state::failed)) {
-      c->send_error = to == transfer_state::failed && o->done == 0
-                          ? ec
-                          : make_error_code(errc::connection_broken);
+    end_send_group(c, cancelled, ec);
+  }
+
+  // Ends the group in flight. Frames that went out whole succeed. If it was cut short: the frame cut
+  // part-way ends with the cause, and since the stream is then out of step, so does every later one
+  // on the connection; after an error, every frame left fails with it; after a cancel at a frame
+  // boundary, the lead is cancelled and the untouched frames go back to the front of the queue.
+  void end_send_group(detail::connection_state* c, bool cancelled, std::error_code ec) noexcept {
+    const bool go_on = c->listed && !shutting_down_;
+    c->refs.fetch_add(1, std::memory_order_relaxed);  // finish() may drop the last other reference
+    const std::error_code broken = make_error_code(errc::connection_broken);
+    bool in_step = true;
+    op* requeue_head = nullptr;
+    op* requeue_tail = nullptr;
+    std::size_t begin = 0;
+    for (unsigned i = 0; i < c->send_group_size; ++i) {
+      op* o = c->send_group[i];
+      const std::size_t end = begin + o->length;
+      if (end <= c->group_done) {
+        finish(o, transfer_state::success, {});
+      } else if (begin < c->group_done) {
+        in_step = false;
+        finish(o, cancelled ? transfer_state::cancelled : transfer_state::failed, ec);
+      } else if (cancelled && in_step && i != 0 && !shutting_down_) {
+        o->next = nullptr;
+        (requeue_tail == nullptr ? requeue_head : requeue_tail->next) = o;
+        requeue_tail = o;
+      } else if (cancelled && in_step) {
+        finish(o, transfer_state::cancelled, {});
+      } else {
+        finish(o, transfer_state::failed, in_step ? ec : broken);
+      }
+      begin = end;
     }
+    c->send_group_size = 0;
     c->sending = false;
-    end_connection_op(o, to, ec);
+    if (!in_step) {
+      c->send_error = broken;
+    } else if (!cancelled && !c->send_error) {
+      c->send_error = ec;
+    }
+    if (requeue_head != nullptr) {
+      requeue_tail->next = c->send_head;
+      c->send_head = requeue_head;
+      if (c->send_tail == nullptr) c->send_tail = requeue_tail;
+    }
+    if (go_on) next_send(c);
+    c->release();
   }
 
   void enqueue_receive(op* o) noexcept {
@@ -1123,18 +1177,15 @@ class ring {
   void cancel_backlogged(op* o) noexcept {
     detail::connection_state* c = o->connection;
     if (c == nullptr) return finish(o, transfer_state::cancelled, {});
-    const bool sending = o->kind == op_kind::send;
-    const bool started = o->done != 0 || o->receiving_payload;
-    std::error_code& broken = sending ? c->send_error : c->receive_error;
-    if (started && !broken) broken = make_error_code(errc::connection_broken);
-    (sending ? c->sending : c->receiving) = false;
+    if (o->kind == op_kind::send) return end_send_group(c, true, {});  // `o` leads the group
+    // A receive: if it had taken bytes of a frame, the stream is out of step.
+    if ((o->done != 0 || o->receiving_payload) && !c->receive_error) {
+      c->receive_error = make_error_code(errc::connection_broken);
+    }
+    c->receiving = false;
     c->refs.fetch_add(1, std::memory_order_relaxed);  // finish() may drop the last reference
     finish(o, transfer_state::cancelled, {});
-    if (sending) {
-      next_send(c);
-    } else {
-      next_receive(c);
-    }
+    next_receive(c);
     c->release();
   }
 
@@ -1188,6 +1239,11 @@ class ring {
 
   void finish_unstarted(op* o) noexcept {
     if (o->kind == op_kind::cancel) return release_cancel(o);
+    if (o->kind == op_kind::send && o->connection->sending &&
+        o->connection->send_group[0] == o) {
+      // The lead of a send group: the whole group ends.
+      return end_send_group(o->connection, false, make_error_code(errc::backend_shut_down));
+    }
     finish(o, transfer_state::failed, make_error_code(errc::backend_shut_down));
   }
 
