@@ -158,8 +158,8 @@ struct connection_state {
   std::error_code send_error;     // once set, every later send fails with it
   std::error_code receive_error;  // likewise for receives
 
-  void release() noexcept {
-    if (refs.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+  void release(int n = 1) noexcept {
+    if (refs.fetch_sub(n, std::memory_order_acq_rel) == n) {
       ::close(fd);
       delete this;
     }
@@ -1205,12 +1205,18 @@ class ring {
   void detach(op* d) noexcept {
     detail::connection_state* c = d->connection;
     op::pool::release(d);
-    unlist(c);
-    c->release();
+    // The handle's reference (the detach op carried it) and the list's, dropped together.
+    c->release(unlink_connection(c) ? 2 : 1);
   }
 
   void unlist(detail::connection_state* c) noexcept {
-    if (!c->listed) return;
+    if (unlink_connection(c)) c->release();
+  }
+
+  // Cancels what is queued and takes `c` off the list; true if it was listed (the caller then owns
+  // the list's reference).
+  bool unlink_connection(detail::connection_state* c) noexcept {
+    if (!c->listed) return false;
     while (op* o = pop_front(c->send_head, c->send_tail)) finish(o, transfer_state::cancelled, {});
     while (op* o = pop_front(c->receive_head, c->receive_tail)) {
       finish(o, transfer_state::cancelled, {});
@@ -1218,7 +1224,7 @@ class ring {
     (c->list_prev == nullptr ? connections_head_ : c->list_prev->list_next) = c->list_next;
     if (c->list_next != nullptr) c->list_next->list_prev = c->list_prev;
     c->listed = false;
-    c->release();
+    return true;
   }
 
   static void release_cancel(op* c) noexcept {
