@@ -648,3 +648,113 @@ TEST_CASE("kv: engine thread, executor completions and releases racing", "[kv][c
   CHECK(std::all_of(freed.begin(), freed.end(), [](const auto& f) { return f.second == 1; }));
   CHECK(ledger.open() == 0);
 }
+
+TEST_CASE("kv: a block written by two transfers is reported once, and only when neither is live",
+          "[kv]") {
+  kv::load_tracker tracker;
+  batch b(2);
+  auto h = tracker.add_request(1);
+  tracker.add(h, 0, b.transfers[0], blocks({5, 6}));
+  tracker.add(h, 1, b.transfers[1], blocks({6, 7}));
+  tracker.seal(h);
+  b.completers[0].fail(failure);
+  CHECK(tracker.drain_failed_blocks().empty());  // block 6 is still being written
+  b.completers[1].fail(failure);
+  CHECK(tracker.drain_failed_blocks() == blocks({5, 6, 7}));
+  CHECK(tracker.drain_failed_blocks().empty());
+}
+
+TEST_CASE("kv: post on a sealed or aborted request submits nothing", "[kv]") {
+  kv::load_tracker tracker;
+  auto h = tracker.add_request(1);
+  tracker.abort_request(1);
+  int submitted = 0;
+  CHECK_THROWS_WITH(tracker.post(h, 0, blocks({1}),
+                                 [&]() -> std::optional<ferry::transfer> {
+                                   ++submitted;
+                                   return ferry::make_completed_transfer(transfer_state::success);
+                                 }),
+                    Catch::Contains("is sealed (or aborted)"));
+  CHECK(submitted == 0);
+}
+
+TEST_CASE("kv: a handle of a finished request never names a later request with the same id",
+          "[kv]") {
+  kv::load_tracker tracker;
+  auto old_h = tracker.add_request(7);
+  tracker.add(old_h, 0, ferry::make_completed_transfer(transfer_state::success), blocks({1}));
+  tracker.seal(old_h);
+  REQUIRE(tracker.take_finished().size() == 1);
+  auto new_h = tracker.add_request(7);
+  CHECK_THROWS_WITH(tracker.seal(old_h), Catch::Contains("request 7 is not tracked"));
+  CHECK(tracker.verdict(7) == request_verdict::pending);  // the new one is still open
+  tracker.seal(new_h);
+}
+
+TEST_CASE("kv: every release is sent even when one of them throws", "[kv]") {
+  std::vector<kv::request_id> sent;
+  kv::load_tracker tracker([&](kv::request_id id, request_verdict) {
+    sent.push_back(id);
+    if (id == 1) throw std::runtime_error("network down");
+  });
+  for (kv::request_id id = 0; id < 3; ++id) {
+    auto h = tracker.add_request(id);
+    tracker.add(h, 0, ferry::make_completed_transfer(transfer_state::success), blocks({id}));
+    tracker.seal(h);
+  }
+  CHECK_THROWS_WITH(tracker.take_finished(), "network down");
+  std::sort(sent.begin(), sent.end());
+  CHECK(sent == std::vector<kv::request_id>{0, 1, 2});
+  CHECK(tracker.tracked() == 0);
+}
+
+TEST_CASE("kv: extreme layers and timeouts are handled, not overflowed", "[kv]") {
+  kv::load_tracker tracker;
+  auto h = tracker.add_request(1, kv::request_options{.abort_timeout = std::chrono::nanoseconds::max()});
+  CHECK_THROWS_WITH(tracker.add(h, std::size_t(-1), ferry::transfer{}, {}),
+                    Catch::Contains("beyond the largest supported layer"));
+  int attempts = 0;
+  tracker.post(h, 0, blocks({1}), [&]() -> std::optional<ferry::transfer> {
+    if (++attempts < 3) return std::nullopt;  // a far deadline keeps retrying
+    return ferry::make_completed_transfer(transfer_state::success);
+  });
+  CHECK(attempts == 3);
+  auto [t, c] = ferry::make_manual_transfer();
+  tracker.add(h, 1, t, blocks({2}));
+  tracker.seal(h);
+  c.succeed();
+  CHECK(tracker.drain_step(std::chrono::hours::max()).verdict == verdict::success);
+}
+
+TEST_CASE("kv: a layer wait from the previous step still sees its own transfers after begin_step",
+          "[kv][concurrency]") {
+  kv::load_tracker tracker;
+  tracker.begin_step();
+  auto [t, c] = ferry::make_manual_transfer();
+  auto h = tracker.add_request(1);
+  tracker.add(h, 0, t, blocks({1}));
+  tracker.seal(h);
+  engine_thread engine;
+  std::atomic<int> result{-1};
+  auto wait = [&](ferry::run_loop&) -> detached {
+    const ferry::batch_result r = co_await tracker.when_layer(0, 50ms);
+    result = static_cast<int>(r.verdict);
+  };
+  wait(engine.loop());
+  std::this_thread::sleep_for(5ms);
+  std::atomic<bool> stepped{false};
+  auto step = [&](ferry::run_loop&) -> detached {
+    co_await hop{engine.loop()};
+    tracker.begin_step();
+    for (int i = 0; i < 64; ++i) {
+      auto h2 = tracker.add_request(100 + static_cast<kv::request_id>(i));
+      tracker.add(h2, 0, ferry::make_completed_transfer(transfer_state::success), blocks({9}));
+      tracker.seal(h2);
+    }
+    stepped = true;
+  };
+  step(engine.loop());
+  REQUIRE(wait_until([&] { return result.load() != -1 && stepped.load(); }));
+  CHECK(result.load() == static_cast<int>(verdict::timed_out));  // its transfer is still pending
+  c.succeed();
+}

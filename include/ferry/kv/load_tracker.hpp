@@ -16,7 +16,9 @@
 // One engine thread calls the tracker; completions arrive from the progress executor through the
 // transfers themselves, so the tracker needs no lock of its own.
 
+#include <algorithm>
 #include <chrono>
+#include <exception>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -30,6 +32,7 @@
 #include <vector>
 
 #include "ferry/batch_result.hpp"
+#include "ferry/detail/timeout.hpp"
 #include "ferry/errors.hpp"
 #include "ferry/kv/post.hpp"
 #include "ferry/transfer.hpp"
@@ -127,17 +130,25 @@ class load_tracker {
 
    private:
     friend class load_tracker;
-    request_handle(request_id id, std::uint32_t slot) noexcept : id_(id), slot_(slot) {}
+    request_handle(request_id id, std::uint32_t slot, std::uint64_t generation) noexcept
+        : id_(id), slot_(slot), generation_(generation) {}
     request_id id_;
     std::uint32_t slot_;
+    std::uint64_t generation_;  // a handle of a finished request never names a later one
   };
+
+  // Layers are numbered from 0 up to this (a model has tens to hundreds).
+  static constexpr std::size_t max_layers = std::size_t{1} << 20;
 
   explicit load_tracker(release_fn release = {}) : release_(std::move(release)) {}
 
   // --- Registration ---
 
-  // Starts a step: layer waits and drain_step cover the transfers added from here on.
+  // Starts a step: layer waits and drain_step cover the transfers added from here on. The previous
+  // step's layer lists stay untouched until the step after this one begins, so a wait on them that
+  // is still finishing sees what it was given; every wait must end within that.
   void begin_step() {
+    std::swap(step_layers_, previous_layers_);
     for (auto& layer : step_layers_) layer.clear();
   }
 
@@ -161,6 +172,7 @@ class load_tracker {
       requests_.emplace_back();
     }
     request_entry& r = requests_[slot];
+    r.generation = ++generations_;
     r.id = id;
     r.options = options;
     r.created = created;
@@ -169,16 +181,18 @@ class load_tracker {
     r.aborted = false;
     r.members.clear();
     r.blocks.clear();
+    r.reported_blocks.clear();
     index_.emplace(id, slot);
-    return request_handle(id, slot);
+    return request_handle(id, slot, r.generation);
   }
 
   // Registers one transfer of the request: its layer and the destination blocks it writes.
   void add(request_handle h, std::size_t layer, transfer t, std::span<const block_id> destination) {
-    request_entry& r = entry(h, "add");
-    if (r.sealed) {
-      throw std::logic_error("ferry::kv::load_tracker::add: request " + std::to_string(h.id_) +
-                             " is sealed; every transfer must be added before seal()");
+    request_entry& r = open_entry(h, "add");
+    if (layer >= max_layers) {
+      throw std::out_of_range("ferry::kv::load_tracker::add: layer " + std::to_string(layer) +
+                              " is beyond the largest supported layer index " +
+                              std::to_string(max_layers - 1));
     }
     if (layer >= step_layers_.size()) step_layers_.resize(layer + 1);
     step_layers_[layer].push_back(t);
@@ -195,8 +209,11 @@ class load_tracker {
   template <class Submit>
   void post(request_handle h, std::size_t layer, std::span<const block_id> destination,
             Submit&& submit) {
-    const request_entry& r = entry(h, "post");
-    const clock::time_point deadline = r.created + r.options.abort_timeout;
+    // Checked before submitting, so that a transfer never goes out that the tracker cannot track.
+    const request_entry& r = open_entry(h, "post");
+    const auto left = std::chrono::duration_cast<clock::duration>(r.options.abort_timeout);
+    const clock::time_point deadline =
+        r.created > clock::time_point::max() - left ? clock::time_point::max() : r.created + left;
     add(h, layer, post_with_backoff(std::forward<Submit>(submit), deadline), destination);
   }
 
@@ -236,7 +253,8 @@ class load_tracker {
   }
 
   // co_await tracker.when_layer(L, deadline): the same, on the awaiting coroutine's scheduler. Add
-  // nothing to the layer while it is awaited.
+  // nothing to the layer while it is awaited, and let the wait end before the step after the next
+  // one begins (see begin_step).
   template <class Rep, class Period>
   [[nodiscard]] when_all_awaitable when_layer(std::size_t layer,
                                               std::chrono::duration<Rep, Period> timeout) const {
@@ -247,8 +265,9 @@ class load_tracker {
   // included, or the one deadline passes (for engines that cannot wait inside a captured graph).
   template <class Rep, class Period>
   [[nodiscard]] batch_result drain_step(std::chrono::duration<Rep, Period> timeout) const {
-    const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(timeout);
-    const bool forever = timeout < std::chrono::duration<Rep, Period>::zero();
+    const detail::timeout t = detail::make_timeout(timeout);
+    const bool forever = t.is_forever();
+    const auto deadline = t.is_bounded() ? t.deadline() : clock::now();
     batch_result total;
     std::uint64_t first_sequence = 0;
     std::size_t base = 0;
@@ -299,9 +318,17 @@ class load_tracker {
       free_slots_.push_back(slot);
       out.push_back(f);
     }
+    // Every release is sent even if one of them throws; the first exception then propagates.
+    std::exception_ptr first_error;
     for (const finished_request& f : out) {
-      if (release_) release_(f.id, f.verdict);
+      if (!release_) break;
+      try {
+        release_(f.id, f.verdict);
+      } catch (...) {
+        if (!first_error) first_error = std::current_exception();
+      }
     }
+    if (first_error) std::rethrow_exception(first_error);
     return out;
   }
 
@@ -335,8 +362,10 @@ class load_tracker {
     bool live = false;
     bool sealed = false;
     bool aborted = false;
+    std::uint64_t generation = 0;
     std::vector<member> members;
     std::vector<block_id> blocks;
+    std::vector<block_id> reported_blocks;
   };
 
   struct assessment {
@@ -402,14 +431,39 @@ class load_tracker {
     }
   }
 
+  // A block is reported once per request, and only when no transfer of the request that writes
+  // it is still pending (two transfers may share a block).
   static void collect_failed_blocks(request_entry& r, std::vector<block_id>& out) {
     for (member& m : r.members) {
       if (m.reported) continue;
       const transfer_state s = m.t.state();
       if (s == transfer_state::success || s == transfer_state::pending) continue;
+      bool still_written = false;
+      for (std::uint32_t b = m.blocks_begin; b < m.blocks_end && !still_written; ++b) {
+        still_written = written_by_pending(r, r.blocks[b]);
+      }
+      if (still_written) continue;  // looked at again by a later drain
       m.reported = true;
-      out.insert(out.end(), r.blocks.begin() + m.blocks_begin, r.blocks.begin() + m.blocks_end);
+      for (std::uint32_t b = m.blocks_begin; b < m.blocks_end; ++b) {
+        const block_id id = r.blocks[b];
+        if (std::find(r.reported_blocks.begin(), r.reported_blocks.end(), id) !=
+            r.reported_blocks.end()) {
+          continue;
+        }
+        r.reported_blocks.push_back(id);
+        out.push_back(id);
+      }
     }
+  }
+
+  static bool written_by_pending(const request_entry& r, block_id id) noexcept {
+    for (const member& m : r.members) {
+      if (m.t.state() != transfer_state::pending) continue;
+      for (std::uint32_t b = m.blocks_begin; b < m.blocks_end; ++b) {
+        if (r.blocks[b] == id) return true;
+      }
+    }
+    return false;
   }
 
   std::uint32_t lookup(request_id id, const char* what) const {
@@ -422,11 +476,22 @@ class load_tracker {
   }
 
   request_entry& entry(request_handle h, const char* what) {
-    if (h.slot_ >= requests_.size() || !requests_[h.slot_].live || requests_[h.slot_].id != h.id_) {
+    if (h.slot_ >= requests_.size() || !requests_[h.slot_].live ||
+        requests_[h.slot_].generation != h.generation_) {
       throw std::out_of_range(std::string("ferry::kv::load_tracker::") + what + ": request " +
                               std::to_string(h.id_) + " is not tracked (finished or never added)");
     }
     return requests_[h.slot_];
+  }
+
+  request_entry& open_entry(request_handle h, const char* what) {
+    request_entry& r = entry(h, what);
+    if (r.sealed) {
+      throw std::logic_error(std::string("ferry::kv::load_tracker::") + what + ": request " +
+                             std::to_string(h.id_) +
+                             " is sealed (or aborted); every transfer must be added before seal()");
+    }
+    return r;
   }
 
   release_fn release_;
@@ -434,6 +499,8 @@ class load_tracker {
   std::vector<std::uint32_t> free_slots_;
   std::unordered_map<request_id, std::uint32_t> index_;
   std::vector<std::vector<transfer>> step_layers_;
+  std::vector<std::vector<transfer>> previous_layers_;  // kept one more step for waits finishing
+  std::uint64_t generations_ = 0;
   std::vector<block_id> unclaimed_blocks_;  // from requests finished before their blocks were drained
   std::vector<std::pair<std::uint32_t, assessment>> finished_scratch_;
 };
