@@ -6,9 +6,12 @@ set -eu
 cd "$(dirname "$0")/.."
 
 mode=${1:-}
+# One set-up for both: everything either command uses. The tests add the second compiler, Catch2
+# and CMake (for the installed-package check).
+packages="g++ meson ninja-build pkg-config liburing-dev libibverbs-dev fio"
 case "$mode" in
-  demo) packages="g++ meson ninja-build pkg-config liburing-dev libibverbs-dev fio" ;;
-  test) packages="g++ clang meson ninja-build pkg-config catch2 cmake liburing-dev libibverbs-dev" ;;
+  demo) ;;
+  test) packages="$packages clang catch2 cmake" ;;
   *) echo "usage: $0 demo|test" >&2; exit 2 ;;
 esac
 

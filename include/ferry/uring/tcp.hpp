@@ -91,6 +91,17 @@ class tcp_connection {
     ring_->connections_.fetch_add(1, std::memory_order_relaxed);
   }
 
+  // Takes over a socket just connected or accepted: TCP_NODELAY, and closed if adopting it fails.
+  [[nodiscard]] static tcp_connection adopt_socket(ring& r, int fd) {
+    detail::set_nodelay(fd);
+    try {
+      return tcp_connection(r, fd);
+    } catch (...) {
+      ::close(fd);
+      throw;
+    }
+  }
+
   // Connects to host:port, blocking until the connection is up or refused.
   [[nodiscard]] static tcp_connection connect(ring& r, const std::string& host, std::uint16_t port) {
     const int fd = detail::for_each_address(host, port, 0, [](int s, const addrinfo& a) {
@@ -100,13 +111,7 @@ class tcp_connection {
       detail::throw_errno(errno, "ferry::uring::tcp_connection::connect to " + host + ":" +
                                      std::to_string(port));
     }
-    detail::set_nodelay(fd);
-    try {
-      return tcp_connection(r, fd);
-    } catch (...) {
-      ::close(fd);
-      throw;
-    }
+    return adopt_socket(r, fd);
   }
 
   tcp_connection(tcp_connection&& other) noexcept
@@ -239,13 +244,7 @@ class tcp_listener {
       fd = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
     } while (fd < 0 && errno == EINTR);
     if (fd < 0) detail::throw_errno(errno, "ferry::uring::tcp_listener::accept");
-    detail::set_nodelay(fd);
-    try {
-      return tcp_connection(r, fd);
-    } catch (...) {
-      ::close(fd);
-      throw;
-    }
+    return adopt_socket(r, fd);
   }
 
   [[nodiscard]] int native_handle() const noexcept { return fd_; }
