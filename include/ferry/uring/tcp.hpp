@@ -244,7 +244,7 @@ class tcp_listener {
       fd = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
     } while (fd < 0 && errno == EINTR);
     if (fd < 0) detail::throw_errno(errno, "ferry::uring::tcp_listener::accept");
-    return adopt_socket(r, fd);
+    return tcp_connection::adopt_socket(r, fd);
   }
 
   [[nodiscard]] int native_handle() const noexcept { return fd_; }
