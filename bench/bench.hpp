@@ -12,5 +12,6 @@ void run_throughput(const options& opt);
 void run_uring(const options& opt);  // only where liburing was found
 void run_tcp(const options& opt);
 void run_kv(const options& opt);
+void run_verbs(const options& opt);  // only where the libibverbs headers were found
 
 }  // namespace ferry_bench

@@ -1,6 +1,6 @@
 // ferry's microbenchmarks. Every figure is measured in this process, next to its baseline, and the
 // targets are printed as ratios.
-// Usage: ferry_bench [--quick] [latency] [when_all] [throughput] [uring] [tcp] [kv]
+// Usage: ferry_bench [--quick] [latency] [when_all] [throughput] [uring] [tcp] [kv] [verbs]
 
 #include <cstdio>
 #include <cstring>
@@ -13,7 +13,7 @@
 int main(int argc, char** argv) {
   ferry_bench::options opt;
   bool latency = false, when_all = false, throughput = false, uring = false, tcp = false,
-       kv = false;
+       kv = false, verbs = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--quick") {
@@ -30,14 +30,16 @@ int main(int argc, char** argv) {
       tcp = true;
     } else if (a == "kv") {
       kv = true;
+    } else if (a == "verbs") {
+      verbs = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--quick] [latency] [when_all] [throughput] [uring] [tcp] [kv]\n",
+      std::fprintf(stderr, "usage: %s [--quick] [latency] [when_all] [throughput] [uring] [tcp] [kv] [verbs]\n",
                    argv[0]);
       return 2;
     }
   }
-  if (!latency && !when_all && !throughput && !uring && !tcp && !kv) {
-    latency = when_all = throughput = uring = tcp = kv = true;
+  if (!latency && !when_all && !throughput && !uring && !tcp && !kv && !verbs) {
+    latency = when_all = throughput = uring = tcp = kv = verbs = true;
   }
 
   std::printf("# ferry benchmarks%s (%u hardware threads)\n", opt.quick ? " (quick)" : "",
@@ -51,6 +53,11 @@ int main(int argc, char** argv) {
   if (tcp) ferry_bench::run_tcp(opt);
 #else
   if (uring || tcp) std::printf("\n## io_uring and TCP\n\nskipped: built without liburing\n");
+#endif
+#if FERRY_BENCH_VERBS
+  if (verbs) ferry_bench::run_verbs(opt);
+#else
+  if (verbs) std::printf("\n## RDMA verbs\n\nskipped: built without the libibverbs headers\n");
 #endif
 
   std::printf("\n## Targets\n\n| target | measured | |\n|---|---|---|\n");

@@ -1,0 +1,20 @@
+#pragma once
+// The RDMA verbs backend on real adapters, through libibverbs (link with -libverbs; Meson's ferry
+// build does this where libibverbs is found). The same classes run on the in-process fake of
+// ferry/verbs/fake.hpp for tests: basic_device<fake::provider> and so on.
+
+#include "ferry/verbs/device.hpp"
+#include "ferry/verbs/errors.hpp"
+#include "ferry/verbs/handshake.hpp"
+#include "ferry/verbs/provider.hpp"
+
+namespace ferry::verbs {
+
+using device = basic_device<real_provider>;
+using memory_region = basic_memory_region<real_provider>;
+using queue_pair = basic_queue_pair<real_provider>;
+using local_slice = basic_local_slice<real_provider>;
+using rdma_block = basic_rdma_block<real_provider>;
+using connection = basic_connection<real_provider>;
+
+}  // namespace ferry::verbs

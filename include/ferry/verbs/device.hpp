@@ -1,0 +1,1653 @@
+#pragma once
+// The RDMA verbs backend: one-sided READ and WRITE over RC queue pairs, as transfers completed by the
+// progress executor. A template over a verbs provider (provider.hpp): `real_provider` talks to the
+// adapter through libibverbs; `fake::provider` (fake.hpp) is the in-process fake the tests use.
+//
+// Objects. A `basic_device` opens the adapter, allocates one protection domain and one completion
+// queue with its completion channel, and is the executor's completion source: only the executor
+// polls the CQ. `basic_memory_region` is registered memory; every request using it holds a reference,
+// so it is deregistered (and, when it owns its memory, freed) only once the adapter can no longer
+// touch it. `basic_queue_pair` is an RC queue pair; handshake.hpp connects two of them over a TCP
+// side channel.
+//
+// Submission. A submitter reserves send-queue slots with one CAS on the queue pair's credit counter
+// (none left: try_* returns nullopt and write/read back off up to the admission timeout, then fail
+// with errc::submission_queue_full), prepares pooled work requests, and publishes them with one CAS
+// onto a lock-free stack. The executor takes the stack, chains every queued work request of a queue
+// pair and posts the chain with one ibv_post_send, so requests from many threads share doorbells and
+// the queue pair's state needs no lock. A batch is posted as one linked list with only its last
+// work request signalled: RC completes a queue pair's requests in order, so the last one's success
+// means every one landed.
+//
+// Completion. The executor polls the CQ in batches. In adaptive and park modes it arms the CQ with
+// ibv_req_notify_cq before sleeping on the channel's descriptor and polls once more after arming,
+// since a completion that arrived before the arming raises no event.
+//
+// Failure. An error completion fails every transfer of its batch with the ibv_wc_status, and the queue
+// pair (now in the error state) fails everything queued behind it; requests already posted come back
+// flushed. A fatal asynchronous event (QP fatal, CQ error, device fatal, port down), read by a small
+// watcher thread and handled on the executor, fails at once every transfer it strands and moves the
+// queue pairs it names to the error state. A request with a deadline fails when the deadline passes;
+// its memory stays registered until the adapter hands back its completion (or the queue pair is
+// destroyed), so it is never written after it was freed.
+
+#include <infiniband/verbs.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include "ferry/detail/block_pool.hpp"
+#include "ferry/detail/status_block.hpp"
+#include "ferry/detail/timeout.hpp"
+#include "ferry/detail/timer_service.hpp"
+#include "ferry/errors.hpp"
+#include "ferry/post.hpp"
+#include "ferry/progress_executor.hpp"
+#include "ferry/transfer.hpp"
+#include "ferry/verbs/errors.hpp"
+#include "ferry/verbs/provider.hpp"
+
+namespace ferry::verbs {
+
+template <class P>
+class basic_device;
+template <class P>
+class basic_memory_region;
+template <class P>
+class basic_queue_pair;
+
+struct device_options {
+  std::string name;              // the device to open; empty: the first one found
+  std::uint8_t port = 1;
+  int gid_index = 0;             // the source GID when the port's link layer is Ethernet (RoCE)
+  int completion_queue_entries = 4096;
+};
+
+struct queue_pair_options {
+  std::uint32_t send_depth = 256;     // work requests in flight at once
+  std::uint32_t receive_depth = 64;   // notifications that may have arrived and not yet been taken
+  std::uint32_t max_inline_data = 64;
+  std::uint8_t max_rd_atomic = 16;    // RDMA READs in flight at once, each way
+  std::chrono::nanoseconds admission_timeout = std::chrono::milliseconds(100);
+};
+
+// The default access of a registered region: the peer may read and write it.
+inline constexpr int default_region_access =
+    IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+
+// The largest message one work request moves (the RC limit of every current adapter).
+inline constexpr std::size_t max_message_bytes = std::size_t{1} << 31;
+
+// A range of a peer's registered memory.
+struct remote_slice {
+  std::uint64_t address = 0;
+  std::uint64_t length = 0;
+  std::uint32_t rkey = 0;
+};
+
+// A peer's registered region, as the handshake hands it over.
+struct remote_region {
+  std::uint64_t address = 0;
+  std::uint64_t length = 0;
+  std::uint32_t rkey = 0;
+
+  // Throws std::out_of_range when [offset, offset + n) is not inside the region.
+  [[nodiscard]] remote_slice slice(std::uint64_t offset, std::uint64_t n) const {
+    if (offset > length || n > length - offset) {
+      throw std::out_of_range("ferry::verbs::remote_region::slice: bytes [" +
+                              std::to_string(offset) + ", " + std::to_string(offset) + " + " +
+                              std::to_string(n) + ") are outside the peer's region of " +
+                              std::to_string(length) + " bytes");
+    }
+    return {address + offset, n, rkey};
+  }
+};
+
+// What one side tells the other to connect an RC queue pair.
+struct endpoint_info {
+  std::uint32_t qp_num = 0;
+  std::uint32_t psn = 0;
+  std::uint16_t lid = 0;
+  std::uint8_t mtu = IBV_MTU_1024;  // an ibv_mtu
+  bool has_gid = false;             // RoCE: routed by GID
+  ibv_gid gid{};
+};
+
+struct device_counters {
+  std::uint64_t work_requests_posted = 0;
+  std::uint64_t post_calls = 0;  // ibv_post_send calls: doorbells
+  std::uint64_t completions = 0;
+  std::uint64_t async_events = 0;
+};
+
+namespace detail {
+
+using ferry::detail::status_block;
+
+template <class P>
+struct region_state {
+  std::atomic<int> refs{1};
+  typename P::mr_handle mr{};
+  std::byte* data = nullptr;
+  std::size_t size = 0;
+  std::uint32_t lkey = 0;
+  std::uint32_t rkey = 0;
+  bool owned = false;
+  basic_device<P>* device = nullptr;
+
+  void add_ref() noexcept { refs.fetch_add(1, std::memory_order_relaxed); }
+  void release() noexcept;
+};
+
+enum class op_kind : std::uint8_t { write, read, notify, wait_notification, open, close };
+
+template <class P>
+struct qp_state;
+
+template <class P>
+struct op_body {
+  ferry::detail::timer_node timer;  // first: a fired timer finds its op (see op_of)
+  op_kind kind = op_kind::write;
+  bool has_deadline = false;
+  bool timer_armed = false;
+  bool posted = false;
+  bool listed = false;       // a lead in its queue pair's list of posted units
+  std::uint32_t unit_size = 1;
+  qp_state<P>* qp = nullptr;
+  region_state<P>* region = nullptr;
+  status_block* status = nullptr;  // the completer reference
+  op_body* lead = nullptr;         // the first member of the unit (itself for a single request)
+  op_body* last = nullptr;         // on the lead: the signalled member
+  op_body* unit_next = nullptr;    // the unit's members, in order
+  op_body* next = nullptr;         // submission stack, pending queue, waiter queue
+  op_body* list_prev = nullptr;
+  op_body* list_next = nullptr;
+  op_body* expired_next = nullptr;
+  std::uint64_t payload = 0;         // a notification's value, sent inline
+  std::uint64_t* value_out = nullptr;  // where a received notification's value goes
+  ibv_sge sge{};
+  ibv_send_wr wr{};
+};
+
+template <class P>
+struct op : op_body<P> {
+  op* pool_next_ = nullptr;  // the pool's free-list link, never poisoned
+  static constexpr std::size_t poisonable_bytes = sizeof(op_body<P>);
+  using pool = ferry::detail::block_pool<op>;
+
+  [[nodiscard]] static op_body<P>* make(op_kind kind) {
+    op* o = pool::acquire();
+    static_cast<op_body<P>&>(*o) = op_body<P>{};
+    o->kind = kind;
+    o->lead = o;
+    o->last = o;
+    return o;
+  }
+
+  static void free(op_body<P>* o) noexcept { pool::release(static_cast<op*>(o)); }
+};
+
+template <class P>
+[[nodiscard]] op_body<P>* op_of(ferry::detail::timer_node* t) noexcept {
+  static_assert(std::is_standard_layout_v<op_body<P>>);
+  return reinterpret_cast<op_body<P>*>(t);
+}
+
+// A FIFO linked through op_body::next.
+template <class P>
+struct op_queue {
+  op_body<P>* head = nullptr;
+  op_body<P>* tail = nullptr;
+
+  [[nodiscard]] bool empty() const noexcept { return head == nullptr; }
+  void push(op_body<P>* o) noexcept {
+    o->next = nullptr;
+    if (tail == nullptr) {
+      head = tail = o;
+    } else {
+      tail->next = o;
+      tail = o;
+    }
+  }
+  op_body<P>* pop() noexcept {
+    op_body<P>* o = head;
+    if (o != nullptr) {
+      head = o->next;
+      if (head == nullptr) tail = nullptr;
+      o->next = nullptr;
+    }
+    return o;
+  }
+  // Unlinks every queued op for which `pred` holds, keeping the order of the rest.
+  template <class Pred>
+  void remove_if(Pred pred) noexcept {
+    op_body<P>* keep_head = nullptr;
+    op_body<P>* keep_tail = nullptr;
+    for (op_body<P>* o = head; o != nullptr;) {
+      op_body<P>* next = o->next;
+      o->next = nullptr;
+      if (!pred(o)) {
+        (keep_tail == nullptr ? keep_head : keep_tail->next) = o;
+        keep_tail = o;
+      }
+      o = next;
+    }
+    head = keep_head;
+    tail = keep_tail;
+  }
+};
+
+// One posted receive for notifications; wr_id is its address with the low bit set, which tells it
+// apart from a send's op (ops are aligned).
+template <class P>
+struct receive_slot {
+  qp_state<P>* qp = nullptr;
+  std::uint64_t value = 0;  // the received payload lands here (registered memory)
+  ibv_sge sge{};
+  ibv_recv_wr wr{};
+};
+
+template <class P>
+struct qp_state {
+  basic_device<P>* device = nullptr;
+  typename P::qp_handle qp{};
+  std::uint32_t qp_num = 0;
+  std::uint32_t psn = 0;
+  std::uint32_t send_depth = 0;
+  std::uint32_t max_inline = 0;
+  std::uint8_t max_rd_atomic = 0;
+  std::chrono::nanoseconds admission_timeout{};
+  // Free send-queue slots: submitters take them, the executor gives them back when a unit ends.
+  alignas(64) std::atomic<std::int64_t> credits{0};
+  // 0 while usable; else the verbs::errc that ended it (read by submitters to fail fast).
+  std::atomic<int> broken{0};
+  std::atomic<bool> connected{false};
+  op_body<P>* close_op = nullptr;  // made up front, so that closing cannot fail
+
+  // The executor's from here on.
+  op_queue<P> pending;  // members not yet posted, in order
+  op_body<P>* posted_head = nullptr;  // units with members in the adapter
+  op_body<P>* posted_tail = nullptr;
+  op_queue<P> waiters;  // receive_notification requests, in order
+  std::vector<receive_slot<P>*> arrived;  // notifications not yet taken, in order (a FIFO)
+  std::size_t arrived_at = 0;
+  std::unique_ptr<receive_slot<P>[]> slots;
+  std::uint32_t slot_count = 0;
+  typename P::mr_handle slots_mr{};
+  std::uint32_t receives_posted = 0;
+  bool in_error = false;  // the executor moved it, or saw it move, to the error state
+  bool closing = false;
+  bool listed_pending = false;
+  qp_state* all_prev = nullptr;  // the device's queue pairs
+  qp_state* all_next = nullptr;
+  qp_state* pending_next = nullptr;  // the device's queue pairs with members to post
+};
+
+template <class P>
+[[nodiscard]] std::uint32_t initial_psn(const qp_state<P>* s) noexcept {
+  return static_cast<std::uint32_t>(reinterpret_cast<std::uintptr_t>(s) >> 6) & 0xffffff;
+}
+
+}  // namespace detail
+
+// A range of a registered region, to read into or write from.
+template <class P>
+class basic_local_slice {
+ public:
+  basic_local_slice() noexcept = default;
+
+  [[nodiscard]] std::byte* data() const noexcept { return data_; }
+  [[nodiscard]] std::size_t size() const noexcept { return length_; }
+  [[nodiscard]] std::span<std::byte> bytes() const noexcept { return {data_, length_}; }
+
+ private:
+  friend class basic_memory_region<P>;
+  friend class basic_queue_pair<P>;
+  basic_local_slice(detail::region_state<P>* r, std::byte* d, std::size_t n) noexcept
+      : region_(r), data_(d), length_(n) {}
+
+  detail::region_state<P>* region_ = nullptr;
+  std::byte* data_ = nullptr;
+  std::size_t length_ = 0;
+};
+
+// One member of a batched READ or WRITE.
+template <class P>
+struct basic_rdma_block {
+  basic_local_slice<P> local;
+  remote_slice remote;
+};
+
+// Registered memory. Requests hold references to it: it is deregistered, and memory it owns freed,
+// only when the handle and every request that used it are gone.
+template <class P>
+class basic_memory_region {
+ public:
+  basic_memory_region() noexcept = default;
+
+  // `bytes` of page-aligned, zeroed memory owned by the region.
+  [[nodiscard]] static basic_memory_region allocate(basic_device<P>& device, std::size_t bytes,
+                                                    int access = default_region_access) {
+    if (bytes == 0) {
+      throw std::invalid_argument("ferry::verbs::memory_region::allocate: zero bytes requested");
+    }
+    constexpr std::size_t page = 4096;
+    const std::size_t rounded = (bytes + page - 1) / page * page;
+    auto* data = static_cast<std::byte*>(::operator new(rounded, std::align_val_t{page}));
+    std::memset(data, 0, rounded);
+    try {
+      return basic_memory_region(device.register_state(data, bytes, access, true));
+    } catch (...) {
+      ::operator delete(data, std::align_val_t{page});
+      throw;
+    }
+  }
+
+  // Registers memory the caller owns; it must outlive the region and every request using it
+  // (in_use() tells when none does).
+  [[nodiscard]] static basic_memory_region register_memory(basic_device<P>& device,
+                                                           std::span<std::byte> memory,
+                                                           int access = default_region_access) {
+    if (memory.empty()) {
+      throw std::invalid_argument("ferry::verbs::memory_region::register_memory: empty span");
+    }
+    return basic_memory_region(device.register_state(memory.data(), memory.size(), access, false));
+  }
+
+  basic_memory_region(basic_memory_region&& other) noexcept
+      : state_(std::exchange(other.state_, nullptr)) {}
+  basic_memory_region& operator=(basic_memory_region&& other) noexcept {
+    basic_memory_region(std::move(other)).swap(*this);
+    return *this;
+  }
+  ~basic_memory_region() {
+    if (state_ != nullptr) state_->release();
+  }
+  void swap(basic_memory_region& other) noexcept { std::swap(state_, other.state_); }
+
+  [[nodiscard]] std::byte* data() const noexcept { return state_->data; }
+  [[nodiscard]] std::size_t size() const noexcept { return state_->size; }
+  [[nodiscard]] std::span<std::byte> bytes() const noexcept { return {state_->data, state_->size}; }
+  [[nodiscard]] std::uint32_t lkey() const noexcept { return state_->lkey; }
+  [[nodiscard]] std::uint32_t rkey() const noexcept { return state_->rkey; }
+
+  // What a peer needs to read or write this region.
+  [[nodiscard]] remote_region remote() const noexcept {
+    return {reinterpret_cast<std::uintptr_t>(state_->data), state_->size, state_->rkey};
+  }
+
+  // True while some request still holds the region.
+  [[nodiscard]] bool in_use() const noexcept {
+    return state_->refs.load(std::memory_order_acquire) > 1;
+  }
+
+  // Throws std::out_of_range when [offset, offset + n) is not inside the region.
+  [[nodiscard]] basic_local_slice<P> slice(std::size_t offset, std::size_t n) const {
+    if (offset > state_->size || n > state_->size - offset) {
+      throw std::out_of_range("ferry::verbs::memory_region::slice: bytes [" +
+                              std::to_string(offset) + ", " + std::to_string(offset) + " + " +
+                              std::to_string(n) + ") are outside the region of " +
+                              std::to_string(state_->size) + " bytes");
+    }
+    return {state_, state_->data + offset, n};
+  }
+
+  // The same, for a span that must lie inside the region.
+  [[nodiscard]] basic_local_slice<P> slice(std::span<std::byte> part) const {
+    const auto begin = reinterpret_cast<std::uintptr_t>(state_->data);
+    const auto at = reinterpret_cast<std::uintptr_t>(part.data());
+    if (at < begin || at - begin > state_->size || part.size() > state_->size - (at - begin)) {
+      throw std::out_of_range("ferry::verbs::memory_region::slice: the span of " +
+                              std::to_string(part.size()) +
+                              " bytes does not lie inside the registered region");
+    }
+    return {state_, part.data(), part.size()};
+  }
+
+ private:
+  explicit basic_memory_region(detail::region_state<P>* s) noexcept : state_(s) {}
+  detail::region_state<P>* state_ = nullptr;
+};
+
+template <class P>
+class basic_device {
+ public:
+  using provider = P;
+
+  explicit basic_device(progress_executor& exec, device_options options = {})
+      : exec_(exec), options_(std::move(options)) {
+    try {
+      open();
+      stop_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+      if (stop_fd_ < 0) throw std::system_error(errno, std::system_category(), "ferry::verbs: eventfd");
+      watcher_ = std::thread([this] { watch_async_events(); });
+      exec_.add_source(*this);
+    } catch (...) {
+      stop_watcher();
+      close_objects();
+      throw;
+    }
+  }
+
+  basic_device(const basic_device&) = delete;
+  basic_device& operator=(const basic_device&) = delete;
+
+  // Every queue pair and region handle must be gone. Requests still in flight fail with
+  // errc::backend_shut_down; queue pairs are destroyed (so the adapter stops touching memory) before
+  // the regions their requests held are deregistered.
+  ~basic_device() {
+    if (queue_pairs_.load(std::memory_order_acquire) != 0) {
+      std::fprintf(stderr,
+                   "ferry: verbs device destroyed with %d queue_pair handle(s) still open; destroy "
+                   "queue pairs before their device\n",
+                   queue_pairs_.load(std::memory_order_relaxed));
+      std::abort();
+    }
+    stop_watcher();
+    exec_.remove_source(*this);
+    // Timers may still fire on the executor thread until cancelled; after sync() none is running.
+    for_each_qp([this](qp_state* q) { for_each_timed(q, [this](op_body* o) { cancel_timer(o); }); });
+    exec_.sync();
+    shutting_down_ = true;
+    drain_expired();
+    take_incoming();
+    const std::error_code shut = make_error_code(ferry::errc::backend_shut_down);
+    for_each_qp([&](qp_state* q) {
+      fail_everything(q, shut);
+      destroy_qp(q);
+    });
+    qps_ = nullptr;
+    with_pending_ = nullptr;
+    if (regions_.load(std::memory_order_acquire) != 0) {
+      std::fprintf(stderr,
+                   "ferry: verbs device destroyed with %d memory_region(s) still registered; "
+                   "destroy regions before their device\n",
+                   regions_.load(std::memory_order_relaxed));
+      std::abort();
+    }
+    close_objects();
+  }
+
+  [[nodiscard]] progress_executor& executor() const noexcept { return exec_; }
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  [[nodiscard]] std::uint16_t lid() const noexcept { return lid_; }
+  [[nodiscard]] bool dead() const noexcept { return dead_.load(std::memory_order_acquire); }
+  [[nodiscard]] typename P::context_handle native_context() const noexcept { return context_; }
+  [[nodiscard]] typename P::cq_handle native_cq() const noexcept { return cq_; }
+
+  [[nodiscard]] device_counters counters() const noexcept {
+    device_counters c;
+    c.work_requests_posted = posted_.load(std::memory_order_relaxed);
+    c.post_calls = post_calls_.load(std::memory_order_relaxed);
+    c.completions = completions_.load(std::memory_order_relaxed);
+    c.async_events = async_events_.load(std::memory_order_relaxed);
+    return c;
+  }
+
+  // --- The executor's side: a completion source parked on the completion channel. ---
+
+  std::size_t poll(std::size_t budget) noexcept {
+    std::size_t handled = 0;
+    if (expired_ != nullptr) handled += drain_expired();
+    if (events_pending_.load(std::memory_order_acquire)) handled += handle_async_events();
+    if (incoming_.load(std::memory_order_relaxed) != nullptr) handled += take_incoming();
+    post_all();
+    const std::size_t reaped = reap(budget);
+    if (reaped != 0) post_all();
+    return handled + reaped;
+  }
+
+  [[nodiscard]] int park_fd() const noexcept { return P::channel_fd(channel_); }
+
+  // Before the executor sleeps: take the events already signalled, ask for the next one, and look
+  // again, since a completion that landed before the request raises no event.
+  bool arm() noexcept {
+    typename P::cq_handle cq{};
+    unsigned events = 0;
+    while (P::get_cq_event(channel_, cq) == 0) ++events;
+    if (events != 0) P::ack_cq_events(cq_, events);
+    if (P::req_notify_cq(cq_, false) != 0) return false;
+    return poll(exec_.options().poll_budget) == 0;
+  }
+
+ private:
+  friend class basic_memory_region<P>;
+  friend class basic_queue_pair<P>;
+  friend struct detail::region_state<P>;
+
+  using op_body = detail::op_body<P>;
+  using op = detail::op<P>;
+  using op_kind = detail::op_kind;
+  using qp_state = detail::qp_state<P>;
+  using receive_slot = detail::receive_slot<P>;
+  using region_state = detail::region_state<P>;
+  using async_event = typename P::async_event;
+
+  // --- Set-up and tear-down (constructor and destructor threads). ---
+
+  void open() {
+    const std::vector<std::string> names = P::device_names();
+    if (names.empty()) {
+      throw std::runtime_error("ferry::verbs::device: no RDMA device found (ibv_get_device_list "
+                               "returned none; is an adapter present and its driver loaded?)");
+    }
+    name_ = options_.name.empty() ? names.front() : options_.name;
+    if (std::find(names.begin(), names.end(), name_) == names.end()) {
+      std::string found;
+      for (const std::string& n : names) found += (found.empty() ? "" : ", ") + n;
+      throw std::runtime_error("ferry::verbs::device: no RDMA device called '" + name_ +
+                               "' (found: " + found + ")");
+    }
+    context_ = P::open_device(name_);
+    if (!context_) throw system_error("ibv_open_device(" + name_ + ")");
+    ibv_port_attr port{};
+    if (const int r = P::query_port(context_, options_.port, port); r != 0) {
+      throw std::system_error(r, std::system_category(),
+                              "ferry::verbs: ibv_query_port(" + name_ + ", port " +
+                                  std::to_string(options_.port) + ")");
+    }
+    lid_ = port.lid;
+    mtu_ = static_cast<std::uint8_t>(port.active_mtu);
+    if (port.link_layer == IBV_LINK_LAYER_ETHERNET) {
+      if (const int r = P::query_gid(context_, options_.port, options_.gid_index, gid_); r != 0) {
+        throw std::system_error(r, std::system_category(),
+                                "ferry::verbs: ibv_query_gid(" + name_ + ", GID index " +
+                                    std::to_string(options_.gid_index) + ")");
+      }
+      has_gid_ = true;
+    }
+    pd_ = P::alloc_pd(context_);
+    if (!pd_) throw system_error("ibv_alloc_pd");
+    channel_ = P::create_comp_channel(context_);
+    if (!channel_) throw system_error("ibv_create_comp_channel");
+    cq_ = P::create_cq(context_, options_.completion_queue_entries, channel_);
+    if (!cq_) {
+      throw system_error("ibv_create_cq(" + std::to_string(options_.completion_queue_entries) +
+                         " entries)");
+    }
+    cq_room_ = options_.completion_queue_entries;
+    if (!P::prepare_async_fd(context_)) throw system_error("making the async event fd non-blocking");
+  }
+
+  void close_objects() noexcept {
+    if (cq_) {
+      // Events taken but not acknowledged would make ibv_destroy_cq fail.
+      typename P::cq_handle cq{};
+      unsigned events = 0;
+      while (P::get_cq_event(channel_, cq) == 0) ++events;
+      if (events != 0) P::ack_cq_events(cq_, events);
+      P::destroy_cq(cq_);
+    }
+    if (channel_) P::destroy_comp_channel(channel_);
+    if (pd_) P::dealloc_pd(pd_);
+    if (context_) P::close_device(context_);
+    if (stop_fd_ >= 0) ::close(stop_fd_);
+    cq_ = {};
+    channel_ = {};
+    pd_ = {};
+    context_ = {};
+    stop_fd_ = -1;
+  }
+
+  [[nodiscard]] std::system_error system_error(const std::string& what) const {
+    return std::system_error(errno, std::system_category(), "ferry::verbs: " + what);
+  }
+
+  region_state* register_state(std::byte* data, std::size_t bytes, int access, bool owned) {
+    auto* r = new region_state;
+    r->mr = P::reg_mr(pd_, data, bytes, access);
+    if (!r->mr) {
+      const int err = errno;
+      delete r;
+      throw std::system_error(err, std::system_category(),
+                              "ferry::verbs: ibv_reg_mr(" + std::to_string(bytes) + " bytes)");
+    }
+    r->data = data;
+    r->size = bytes;
+    r->lkey = P::lkey(r->mr);
+    r->rkey = P::rkey(r->mr);
+    r->owned = owned;
+    r->device = this;
+    regions_.fetch_add(1, std::memory_order_relaxed);
+    return r;
+  }
+
+  void unregister(region_state* r) noexcept {
+    P::dereg_mr(r->mr);
+    if (r->owned) ::operator delete(r->data, std::align_val_t{4096});
+    delete r;
+    regions_.fetch_sub(1, std::memory_order_release);
+  }
+
+  // Creates an RC queue pair in INIT with its receives posted. The executor learns of it through the
+  // `open` op, published before any request on it can be.
+  qp_state* create_queue_pair(const queue_pair_options& o) {
+    if (o.send_depth == 0) {
+      throw std::invalid_argument("ferry::verbs::queue_pair_options::send_depth must be at least 1");
+    }
+    if (o.receive_depth == 0) {
+      throw std::invalid_argument(
+          "ferry::verbs::queue_pair_options::receive_depth must be at least 1");
+    }
+    const std::int64_t needs = std::int64_t{o.send_depth} + o.receive_depth;
+    {
+      std::lock_guard lock(setup_mutex_);
+      if (needs > cq_room_) {
+        throw std::length_error(
+            "ferry::verbs: a queue pair of send depth " + std::to_string(o.send_depth) +
+            " and receive depth " + std::to_string(o.receive_depth) + " needs " +
+            std::to_string(needs) + " completion queue entries, and only " +
+            std::to_string(cq_room_) + " of the device's " +
+            std::to_string(options_.completion_queue_entries) + " are left");
+      }
+      cq_room_ -= needs;
+    }
+    auto s = std::make_unique<qp_state>();
+    s->device = this;
+    try {
+      ibv_qp_cap cap{};
+      cap.max_send_wr = o.send_depth;
+      cap.max_recv_wr = o.receive_depth;
+      cap.max_send_sge = 1;
+      cap.max_recv_sge = 1;
+      cap.max_inline_data = std::max<std::uint32_t>(o.max_inline_data, sizeof(std::uint64_t));
+      s->qp = P::create_qp(pd_, cq_, cq_, cap);
+      if (!s->qp) throw system_error("ibv_create_qp");
+      s->qp_num = P::qp_num(s->qp);
+      s->psn = detail::initial_psn(s.get());
+      s->send_depth = o.send_depth;
+      s->max_inline = cap.max_inline_data;
+      s->max_rd_atomic = o.max_rd_atomic;
+      s->admission_timeout = o.admission_timeout;
+      s->credits.store(o.send_depth, std::memory_order_relaxed);
+
+      ibv_qp_attr attr{};
+      attr.qp_state = IBV_QPS_INIT;
+      attr.pkey_index = 0;
+      attr.port_num = options_.port;
+      attr.qp_access_flags =
+          IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+      if (const int r = P::modify_qp(s->qp, attr,
+                                     IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
+                                         IBV_QP_ACCESS_FLAGS);
+          r != 0) {
+        throw std::system_error(r, std::system_category(), "ferry::verbs: ibv_modify_qp(INIT)");
+      }
+
+      s->slot_count = o.receive_depth;
+      s->slots = std::make_unique<receive_slot[]>(o.receive_depth);
+      s->arrived.resize(o.receive_depth);
+      s->slots_mr = P::reg_mr(pd_, s->slots.get(), sizeof(receive_slot) * o.receive_depth,
+                              IBV_ACCESS_LOCAL_WRITE);
+      if (!s->slots_mr) throw system_error("ibv_reg_mr(receive buffers)");
+      for (std::uint32_t i = 0; i < o.receive_depth; ++i) {
+        receive_slot& slot = s->slots[i];
+        slot.qp = s.get();
+        slot.sge.addr = reinterpret_cast<std::uintptr_t>(&slot.value);
+        slot.sge.length = sizeof slot.value;
+        slot.sge.lkey = P::lkey(s->slots_mr);
+        slot.wr.wr_id = reinterpret_cast<std::uintptr_t>(&slot) | 1;
+        slot.wr.sg_list = &slot.sge;
+        slot.wr.num_sge = 1;
+        ibv_recv_wr* bad = nullptr;
+        if (const int r = P::post_recv(s->qp, &slot.wr, &bad); r != 0) {
+          throw std::system_error(r, std::system_category(), "ferry::verbs: ibv_post_recv");
+        }
+        ++s->receives_posted;
+      }
+      s->close_op = op::make(op_kind::close);
+      s->close_op->qp = s.get();
+      op_body* open_op = op::make(op_kind::open);
+      open_op->qp = s.get();
+      queue_pairs_.fetch_add(1, std::memory_order_relaxed);
+      publish(open_op);
+    } catch (...) {
+      if (s->close_op != nullptr) op::free(s->close_op);
+      if (s->qp) P::destroy_qp(s->qp);
+      if (s->slots_mr) P::dereg_mr(s->slots_mr);
+      std::lock_guard lock(setup_mutex_);
+      cq_room_ += needs;
+      throw;
+    }
+    return s.release();
+  }
+
+  [[nodiscard]] endpoint_info local_info(const qp_state* s) const noexcept {
+    endpoint_info info;
+    info.qp_num = s->qp_num;
+    info.psn = s->psn;
+    info.lid = lid_;
+    info.mtu = mtu_;
+    info.has_gid = has_gid_;
+    info.gid = gid_;
+    return info;
+  }
+
+  // INIT → RTR → RTS towards `remote`. Throws std::system_error naming the step that failed.
+  void connect(qp_state* s, const endpoint_info& remote) {
+    ibv_qp_attr attr{};
+    attr.qp_state = IBV_QPS_RTR;
+    attr.path_mtu = static_cast<ibv_mtu>(std::min(mtu_, remote.mtu));
+    attr.dest_qp_num = remote.qp_num;
+    attr.rq_psn = remote.psn;
+    attr.max_dest_rd_atomic = s->max_rd_atomic;
+    attr.min_rnr_timer = 12;
+    attr.ah_attr.dlid = remote.lid;
+    attr.ah_attr.port_num = options_.port;
+    if (remote.has_gid) {
+      attr.ah_attr.is_global = 1;
+      attr.ah_attr.grh.dgid = remote.gid;
+      attr.ah_attr.grh.sgid_index = static_cast<std::uint8_t>(options_.gid_index);
+      attr.ah_attr.grh.hop_limit = 64;
+    }
+    if (const int r = P::modify_qp(s->qp, attr,
+                                   IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
+                                       IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC |
+                                       IBV_QP_MIN_RNR_TIMER);
+        r != 0) {
+      throw std::system_error(r, std::system_category(),
+                              "ferry::verbs: ibv_modify_qp(RTR) towards queue pair " +
+                                  std::to_string(remote.qp_num) + " at LID " +
+                                  std::to_string(remote.lid));
+    }
+    attr = ibv_qp_attr{};
+    attr.qp_state = IBV_QPS_RTS;
+    attr.timeout = 14;   // 4.096 µs × 2^14 ≈ 67 ms per transport retry
+    attr.retry_cnt = 7;
+    attr.rnr_retry = 7;  // the peer not ready to receive a notification: retry without limit
+    attr.sq_psn = s->psn;
+    attr.max_rd_atomic = s->max_rd_atomic;
+    if (const int r = P::modify_qp(s->qp, attr,
+                                   IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+                                       IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC);
+        r != 0) {
+      throw std::system_error(r, std::system_category(), "ferry::verbs: ibv_modify_qp(RTS)");
+    }
+    s->connected.store(true, std::memory_order_release);
+  }
+
+  void close_queue_pair(qp_state* s) noexcept {
+    queue_pairs_.fetch_sub(1, std::memory_order_release);
+    publish(s->close_op);
+  }
+
+  void stop_watcher() noexcept {
+    if (!watcher_.joinable()) return;
+    const std::uint64_t one = 1;
+    [[maybe_unused]] const ssize_t n = ::write(stop_fd_, &one, sizeof one);
+    watcher_.join();
+  }
+
+  // The watcher thread: asynchronous events are rare, so they get a thread of their own instead of
+  // a system call in every executor round. It hands them to the executor, which owns all state.
+  void watch_async_events() noexcept {
+    pollfd fds[2]{};
+    fds[0].fd = P::async_fd(context_);
+    fds[0].events = POLLIN;
+    fds[1].fd = stop_fd_;
+    fds[1].events = POLLIN;
+    for (;;) {
+      const int n = ::poll(fds, 2, -1);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        return;
+      }
+      if (fds[1].revents != 0) return;
+      if ((fds[0].revents & POLLIN) != 0) {
+        async_event ev{};
+        bool any = false;
+        while (P::get_async_event(context_, ev) == 0) {
+          std::lock_guard lock(events_mutex_);
+          try {
+            events_.push_back(ev);
+          } catch (...) {
+            // Out of memory: a fatal event still ends everything it names through its flushes
+            // and deadlines; nothing else can be done here.
+          }
+          any = true;
+        }
+        if (any) {
+          // Release pairs with the acquire load in poll(): the queued events travel with it.
+          events_pending_.store(true, std::memory_order_release);
+          exec_.notify();
+        }
+      } else if ((fds[0].revents & (POLLERR | POLLHUP | POLLNVAL)) != 0) {
+        return;
+      }
+    }
+  }
+
+  // --- Submission (any thread). ---
+
+  // Publishes a unit (its lead; members hang off unit_next). After the CAS the executor owns it.
+  void publish(op_body* lead) noexcept {
+    op_body* head = incoming_.load(std::memory_order_relaxed);
+    do {
+      lead->next = head;
+      // Release pairs with the acquire exchange in take_incoming(): the ops' fields travel with it.
+    } while (!incoming_.compare_exchange_weak(head, lead, std::memory_order_release,
+                                              std::memory_order_relaxed));
+    exec_.notify();
+  }
+
+  // --- The executor thread from here on (or the destructor, once the source is removed). ---
+
+  std::size_t take_incoming() noexcept {
+    op_body* list = incoming_.exchange(nullptr, std::memory_order_acquire);
+    op_body* fifo = nullptr;
+    while (list != nullptr) {
+      op_body* next = list->next;
+      list->next = fifo;
+      fifo = list;
+      list = next;
+    }
+    std::size_t n = 0;
+    while (fifo != nullptr) {
+      op_body* o = fifo;
+      fifo = fifo->next;
+      o->next = nullptr;
+      route(o);
+      ++n;
+    }
+    return n;
+  }
+
+  void route(op_body* lead) noexcept {
+    qp_state* q = lead->qp;
+    switch (lead->kind) {
+      case op_kind::open:
+        op::free(lead);
+        q->all_next = qps_;
+        if (qps_ != nullptr) qps_->all_prev = q;
+        qps_ = q;
+        return;
+      case op_kind::close:
+        op::free(lead);
+        q->close_op = nullptr;
+        return close_now(q);
+      case op_kind::wait_notification:
+        return route_wait(lead);
+      case op_kind::write:
+      case op_kind::read:
+      case op_kind::notify:
+        break;
+    }
+    if (const std::error_code ec = refusal(q); ec) {
+      fail_unit(lead, ec);
+      return release_unit(lead);
+    }
+    if (!arm_deadline(lead)) return release_unit(lead);
+    for (op_body* m = lead; m != nullptr; m = m->unit_next) q->pending.push(m);
+    if (!q->listed_pending) {
+      q->listed_pending = true;
+      q->pending_next = with_pending_;
+      with_pending_ = q;
+    }
+  }
+
+  [[nodiscard]] std::error_code refusal(const qp_state* q) const noexcept {
+    if (shutting_down_) return make_error_code(ferry::errc::backend_shut_down);
+    if (const int b = q->broken.load(std::memory_order_relaxed); b != 0) {
+      return make_error_code(static_cast<errc>(b));
+    }
+    return {};
+  }
+
+  void route_wait(op_body* w) noexcept {
+    qp_state* q = w->qp;
+    if (q->arrived_at != 0) return deliver(q, w, take_arrived(q));
+    if (const std::error_code ec = refusal(q); ec) return end_wait(w, transfer_state::failed, ec);
+    if (!arm_deadline(w)) return;
+    q->waiters.push(w);
+  }
+
+  // Arms the unit's deadline timer. On failure the unit has been failed; the caller releases it.
+  bool arm_deadline(op_body* lead) noexcept {
+    if (!lead->has_deadline) return true;
+    lead->timer.fire = &on_deadline;
+    try {
+      exec_.timers().arm(lead->timer);
+    } catch (...) {
+      if (lead->kind == op_kind::wait_notification) {
+        end_wait(lead, transfer_state::failed, std::make_error_code(std::errc::not_enough_memory));
+      } else {
+        fail_unit(lead, std::make_error_code(std::errc::not_enough_memory));
+      }
+      return false;
+    }
+    lead->timer_armed = true;
+    return true;
+  }
+
+  void cancel_timer(op_body* lead) noexcept {
+    // Both run on the executor thread, and poll() takes expired timers before anything that can
+    // end a unit: a timer that already fired has been handled, so a failed cancel needs nothing.
+    if (lead->timer_armed && exec_.timers().cancel(lead->timer)) lead->timer_armed = false;
+  }
+
+  // Runs inside the executor's timer round, concurrently with nothing of ours: it only queues.
+  static void on_deadline(ferry::detail::timer_node* t) noexcept {
+    op_body* o = detail::op_of<P>(t);
+    basic_device* self = o->qp->device;
+    o->expired_next = self->expired_;
+    self->expired_ = o;
+  }
+
+  std::size_t drain_expired() noexcept {
+    std::size_t n = 0;
+    while (expired_ != nullptr) {
+      op_body* lead = expired_;
+      expired_ = lead->expired_next;
+      lead->timer_armed = false;
+      ++n;
+      const std::error_code late = make_error_code(errc::deadline_exceeded);
+      if (lead->kind == op_kind::wait_notification) {
+        lead->qp->waiters.remove_if([lead](op_body* w) { return w == lead; });
+        end_wait(lead, transfer_state::failed, late);
+        continue;
+      }
+      fail_unit(lead, late);
+      if (!lead->posted) {
+        // Never reached the adapter (the provider refused it for now): it can go at once.
+        lead->qp->pending.remove_if([lead](op_body* m) { return m->lead == lead; });
+        release_unit(lead);
+      }
+      // Otherwise its memory stays pinned until the adapter returns its completion.
+    }
+    return n;
+  }
+
+  void post_all() noexcept {
+    qp_state* list = std::exchange(with_pending_, nullptr);
+    while (list != nullptr) {
+      qp_state* q = list;
+      list = q->pending_next;
+      post_pending(q);
+      if (q->pending.empty()) {
+        q->listed_pending = false;
+      } else {
+        q->pending_next = with_pending_;
+        with_pending_ = q;
+      }
+    }
+  }
+
+  // Posts the queue pair's queued members as one chain: one doorbell for everything queued.
+  void post_pending(qp_state* q) noexcept {
+    if (q->pending.empty()) return;
+    for (op_body* o = q->pending.head; o != nullptr; o = o->next) {
+      o->wr.next = o->next != nullptr ? &o->next->wr : nullptr;
+    }
+    ibv_send_wr* bad = nullptr;
+    const int r = P::post_send(q->qp, &q->pending.head->wr, &bad);
+    post_calls_.fetch_add(1, std::memory_order_relaxed);
+    std::uint64_t posted = 0;
+    while (!q->pending.empty() && (r == 0 || &q->pending.head->wr != bad)) {
+      op_body* o = q->pending.pop();
+      o->wr.next = nullptr;
+      o->posted = true;
+      ++posted;
+      if (o == o->lead) list_posted(q, o);
+    }
+    posted_.fetch_add(posted, std::memory_order_relaxed);
+    if (r == 0 || q->pending.empty()) return;
+    // ENOMEM while requests are in flight: their completions free room, and the rest goes then.
+    if (r == ENOMEM && q->posted_head != nullptr) return;
+    const std::error_code ec(r, std::system_category());
+    for (op_body* o = q->pending.head; o != nullptr; o = o->next) fail_unit(o->lead, ec);
+    break_queue_pair(q, errc::queue_pair_error);
+  }
+
+  void list_posted(qp_state* q, op_body* lead) noexcept {
+    lead->listed = true;
+    lead->list_prev = q->posted_tail;
+    lead->list_next = nullptr;
+    (q->posted_tail == nullptr ? q->posted_head : q->posted_tail->list_next) = lead;
+    q->posted_tail = lead;
+  }
+
+  void unlist_posted(qp_state* q, op_body* lead) noexcept {
+    if (!lead->listed) return;
+    (lead->list_prev == nullptr ? q->posted_head : lead->list_prev->list_next) = lead->list_next;
+    (lead->list_next == nullptr ? q->posted_tail : lead->list_next->list_prev) = lead->list_prev;
+    lead->listed = false;
+  }
+
+  std::size_t reap(std::size_t budget) noexcept {
+    if (cq_failed_) return 0;
+    constexpr int batch = 32;
+    ibv_wc wc[batch];
+    std::size_t handled = 0;
+    while (handled < budget) {
+      const int want = static_cast<int>(std::min<std::size_t>(batch, budget - handled));
+      const int n = P::poll_cq(cq_, want, wc);
+      if (n < 0) {
+        cq_failed_ = true;
+        for_each_qp([this](qp_state* q) { break_queue_pair(q, errc::completion_queue_error); });
+        break;
+      }
+      for (int i = 0; i < n; ++i) on_completion(wc[i]);
+      handled += static_cast<std::size_t>(n);
+      if (n < want) break;
+    }
+    if (handled != 0) completions_.fetch_add(handled, std::memory_order_relaxed);
+    return handled;
+  }
+
+  void on_completion(const ibv_wc& wc) noexcept {
+    if ((wc.wr_id & 1) != 0) {
+      return on_receive(reinterpret_cast<receive_slot*>(wc.wr_id & ~std::uint64_t{1}), wc);
+    }
+    op_body* o = reinterpret_cast<op_body*>(wc.wr_id);
+    op_body* lead = o->lead;
+    qp_state* q = lead->qp;
+    if (wc.status == IBV_WC_SUCCESS) {
+      // Only a unit's last member is signalled, and RC completes in order: every member landed.
+      succeed_unit(lead);
+    } else {
+      fail_unit(lead, make_error_code(static_cast<ibv_wc_status>(wc.status)));
+      // The queue pair is in the error state now: nothing queued behind can succeed.
+      if (!q->in_error) break_queue_pair(q, errc::queue_pair_error, false);
+    }
+    if (o == lead->last) {
+      release_unit(lead);
+      if (q->closing) maybe_destroy(q);
+    }
+  }
+
+  void on_receive(receive_slot* slot, const ibv_wc& wc) noexcept {
+    qp_state* q = slot->qp;
+    --q->receives_posted;
+    if (wc.status != IBV_WC_SUCCESS) {
+      if (!q->in_error) break_queue_pair(q, errc::queue_pair_error, false);
+      if (q->closing) maybe_destroy(q);
+      return;
+    }
+    if (wc.byte_len != sizeof slot->value) {
+      // Not a ferry notification: fail whoever waits for one, and keep the receive going.
+      if (op_body* w = q->waiters.pop()) {
+        cancel_timer(w);
+        end_wait(w, transfer_state::failed, make_error_code(ferry::errc::bad_frame));
+      }
+      repost(q, slot);
+      return;
+    }
+    if (op_body* w = q->waiters.pop()) {
+      cancel_timer(w);
+      return deliver(q, w, slot);
+    }
+    q->arrived[(q->arrived_at++)] = slot;
+  }
+
+  receive_slot* take_arrived(qp_state* q) noexcept {
+    receive_slot* first = q->arrived[0];
+    std::move(q->arrived.begin() + 1, q->arrived.begin() + static_cast<std::ptrdiff_t>(q->arrived_at),
+              q->arrived.begin());
+    --q->arrived_at;
+    return first;
+  }
+
+  void deliver(qp_state* q, op_body* w, receive_slot* slot) noexcept {
+    *w->value_out = slot->value;
+    end_wait(w, transfer_state::success, {});
+    repost(q, slot);
+  }
+
+  void repost(qp_state* q, receive_slot* slot) noexcept {
+    if (q->in_error) return;
+    ibv_recv_wr* bad = nullptr;
+    if (P::post_recv(q->qp, &slot->wr, &bad) == 0) {
+      ++q->receives_posted;
+    } else {
+      break_queue_pair(q, errc::queue_pair_error);
+    }
+  }
+
+  void end_wait(op_body* w, transfer_state to, std::error_code ec) noexcept {
+    ferry::detail::status_block* s = w->status;
+    op::free(w);
+    s->complete(to, ec);
+    s->release_completer_ref();
+  }
+
+  void succeed_unit(op_body* lead) noexcept {
+    for (op_body* m = lead; m != nullptr; m = m->unit_next) m->status->complete(transfer_state::success, {});
+  }
+
+  // Fails every member still pending; a member already ended keeps its result.
+  void fail_unit(op_body* lead, std::error_code ec) noexcept {
+    for (op_body* m = lead; m != nullptr; m = m->unit_next) m->status->complete(transfer_state::failed, ec);
+  }
+
+  // The adapter is done with the unit (or never had it): its slots, memory and ops go back.
+  void release_unit(op_body* lead) noexcept {
+    qp_state* q = lead->qp;
+    cancel_timer(lead);
+    unlist_posted(q, lead);
+    q->credits.fetch_add(lead->unit_size, std::memory_order_release);
+    for (op_body* m = lead; m != nullptr;) {
+      op_body* next = m->unit_next;
+      ferry::detail::status_block* s = m->status;
+      region_state* r = m->region;
+      op::free(m);
+      // A unit released without a completion (shutdown, destroyed queue pair) ends here.
+      s->complete(transfer_state::failed, make_error_code(ferry::errc::backend_shut_down));
+      s->release_completer_ref();
+      if (r != nullptr) r->release();
+      m = next;
+    }
+  }
+
+  // Fails what has not reached the adapter; units with members already posted wait for them.
+  void abandon_pending(qp_state* q) noexcept {
+    while (op_body* o = q->pending.pop()) {
+      op_body* lead = o->lead;
+      if (lead->posted) continue;  // part of it is in the adapter: released with its completion
+      // Drop the unit's remaining members from the queue, then let it go.
+      q->pending.remove_if([lead](op_body* m) { return m->lead == lead; });
+      release_unit(lead);
+    }
+  }
+
+  // The queue pair can no longer succeed: fail everything it holds with `why` and move it to the
+  // error state, so the adapter flushes what it was given (`move` false: it is already there).
+  void break_queue_pair(qp_state* q, errc why, bool move = true) noexcept {
+    int none = 0;
+    q->broken.compare_exchange_strong(none, static_cast<int>(why), std::memory_order_release,
+                                      std::memory_order_relaxed);
+    const std::error_code ec =
+        make_error_code(static_cast<errc>(q->broken.load(std::memory_order_relaxed)));
+    for (op_body* o = q->pending.head; o != nullptr; o = o->next) fail_unit(o->lead, ec);
+    abandon_pending(q);
+    if (why != errc::queue_pair_error) {
+      // A fatal event or a close strands what is posted (its completions may never come): end it
+      // now; the flush, if it comes, frees it later.
+      for (op_body* l = q->posted_head; l != nullptr; l = l->list_next) {
+        fail_unit(l, make_error_code(why));
+      }
+    }
+    while (op_body* w = q->waiters.pop()) {
+      cancel_timer(w);
+      end_wait(w, transfer_state::failed, ec);
+    }
+    if (move && !q->in_error) {
+      ibv_qp_attr attr{};
+      attr.qp_state = IBV_QPS_ERR;
+      P::modify_qp(q->qp, attr, IBV_QP_STATE);
+    }
+    q->in_error = true;
+  }
+
+  void close_now(qp_state* q) noexcept {
+    q->closing = true;
+    break_queue_pair(q, errc::queue_pair_closed);
+    maybe_destroy(q);
+  }
+
+  // A closing queue pair goes once the adapter has handed back everything it was given.
+  void maybe_destroy(qp_state* q) noexcept {
+    if (q->posted_head != nullptr || q->receives_posted != 0 || shutting_down_) return;
+    (q->all_prev == nullptr ? qps_ : q->all_prev->all_next) = q->all_next;
+    if (q->all_next != nullptr) q->all_next->all_prev = q->all_prev;
+    destroy_qp(q);
+  }
+
+  // Destroys the queue pair first (the adapter stops touching memory), then releases what it held.
+  void destroy_qp(qp_state* q) noexcept {
+    if (q->listed_pending) {
+      qp_state** link = &with_pending_;
+      while (*link != q) link = &(*link)->pending_next;
+      *link = q->pending_next;
+    }
+    P::destroy_qp(q->qp);
+    while (op_body* l = q->posted_head) release_unit(l);
+    if (q->slots_mr) P::dereg_mr(q->slots_mr);
+    {
+      std::lock_guard lock(setup_mutex_);
+      cq_room_ += std::int64_t{q->send_depth} + q->slot_count;
+    }
+    if (q->close_op != nullptr) op::free(q->close_op);
+    delete q;
+  }
+
+  void fail_everything(qp_state* q, std::error_code ec) noexcept {
+    for (op_body* o = q->pending.head; o != nullptr; o = o->next) fail_unit(o->lead, ec);
+    for (op_body* l = q->posted_head; l != nullptr; l = l->list_next) fail_unit(l, ec);
+    abandon_pending(q);
+    while (op_body* w = q->waiters.pop()) end_wait(w, transfer_state::failed, ec);
+  }
+
+  // Calls f on every queue pair; f may destroy the one it is given.
+  template <class F>
+  void for_each_qp(F f) noexcept {
+    for (qp_state* q = qps_; q != nullptr;) {
+      qp_state* next = q->all_next;
+      f(q);
+      q = next;
+    }
+  }
+
+  template <class F>
+  void for_each_timed(qp_state* q, F f) noexcept {
+    for (op_body* o = q->pending.head; o != nullptr; o = o->next) {
+      if (o == o->lead) f(o);
+    }
+    for (op_body* l = q->posted_head; l != nullptr; l = l->list_next) f(l);
+    for (op_body* w = q->waiters.head; w != nullptr; w = w->next) f(w);
+  }
+
+  std::size_t handle_async_events() noexcept {
+    std::vector<async_event> events;
+    {
+      std::lock_guard lock(events_mutex_);
+      events.swap(events_);
+      events_pending_.store(false, std::memory_order_relaxed);
+    }
+    async_events_.fetch_add(events.size(), std::memory_order_relaxed);
+    for (const async_event& ev : events) {
+      switch (ev.type) {
+        case IBV_EVENT_QP_FATAL:
+        case IBV_EVENT_QP_REQ_ERR:
+        case IBV_EVENT_QP_ACCESS_ERR:
+        case IBV_EVENT_PATH_MIG_ERR:
+          for_each_qp([&](qp_state* q) {
+            if (q->qp == ev.qp) break_queue_pair(q, errc::queue_pair_fatal);
+          });
+          break;
+        case IBV_EVENT_CQ_ERR:
+          cq_failed_ = true;
+          for_each_qp([this](qp_state* q) { break_queue_pair(q, errc::completion_queue_error); });
+          break;
+        case IBV_EVENT_DEVICE_FATAL:
+          dead_.store(true, std::memory_order_release);
+          for_each_qp([this](qp_state* q) { break_queue_pair(q, errc::device_fatal); });
+          break;
+        case IBV_EVENT_PORT_ERR:
+          if (ev.port == options_.port) {
+            for_each_qp([this](qp_state* q) { break_queue_pair(q, errc::port_down); });
+          }
+          break;
+        default:
+          break;  // informational (port active, LID change, communication established, ...)
+      }
+    }
+    return events.size();
+  }
+
+  progress_executor& exec_;
+  device_options options_;
+  std::string name_;
+  typename P::context_handle context_{};
+  typename P::pd_handle pd_{};
+  typename P::channel_handle channel_{};
+  typename P::cq_handle cq_{};
+  std::uint16_t lid_ = 0;
+  std::uint8_t mtu_ = IBV_MTU_1024;
+  bool has_gid_ = false;
+  ibv_gid gid_{};
+
+  std::mutex setup_mutex_;
+  std::int64_t cq_room_ = 0;  // completion queue entries not yet promised to a queue pair
+  std::atomic<int> queue_pairs_{0};
+  std::atomic<int> regions_{0};
+  std::atomic<bool> dead_{false};
+
+  int stop_fd_ = -1;
+  std::thread watcher_;
+  std::mutex events_mutex_;
+  std::vector<async_event> events_;
+  std::atomic<bool> events_pending_{false};
+
+  alignas(64) std::atomic<op_body*> incoming_{nullptr};
+
+  // The executor's.
+  qp_state* qps_ = nullptr;
+  qp_state* with_pending_ = nullptr;
+  op_body* expired_ = nullptr;
+  bool cq_failed_ = false;
+  bool shutting_down_ = false;
+
+  std::atomic<std::uint64_t> posted_{0};
+  std::atomic<std::uint64_t> post_calls_{0};
+  std::atomic<std::uint64_t> completions_{0};
+  std::atomic<std::uint64_t> async_events_{0};
+};
+
+template <class P>
+void detail::region_state<P>::release() noexcept {
+  if (refs.fetch_sub(1, std::memory_order_acq_rel) == 1) device->unregister(this);
+}
+
+// An RC queue pair. Destroying the handle moves it to the error state: requests still in flight
+// fail with errc::queue_pair_closed, and the queue pair itself is destroyed once the adapter has
+// flushed them.
+template <class P>
+class basic_queue_pair {
+ public:
+  using local_slice = basic_local_slice<P>;
+  using rdma_block = basic_rdma_block<P>;
+
+  basic_queue_pair() noexcept = default;
+
+  basic_queue_pair(basic_device<P>& device, queue_pair_options options = {})
+      : state_(device.create_queue_pair(options)) {}
+
+  basic_queue_pair(basic_queue_pair&& other) noexcept : state_(std::exchange(other.state_, nullptr)) {}
+  basic_queue_pair& operator=(basic_queue_pair&& other) noexcept {
+    basic_queue_pair(std::move(other)).swap(*this);
+    return *this;
+  }
+  ~basic_queue_pair() {
+    if (state_ != nullptr) state_->device->close_queue_pair(state_);
+  }
+  void swap(basic_queue_pair& other) noexcept { std::swap(state_, other.state_); }
+
+  // What the peer needs to connect to this queue pair.
+  [[nodiscard]] endpoint_info local_info() const noexcept { return state_->device->local_info(state_); }
+
+  // Brings the queue pair to RTS towards `remote`. Throws std::system_error naming the failed step.
+  void connect(const endpoint_info& remote) { state_->device->connect(state_, remote); }
+
+  [[nodiscard]] std::uint32_t qp_num() const noexcept { return state_->qp_num; }
+  [[nodiscard]] typename P::qp_handle native_handle() const noexcept { return state_->qp; }
+
+  // Empty while usable; otherwise why nothing more can be posted.
+  [[nodiscard]] std::error_code error() const noexcept {
+    const int b = state_->broken.load(std::memory_order_acquire);
+    return b == 0 ? std::error_code{} : make_error_code(static_cast<errc>(b));
+  }
+
+  // Free send-queue slots right now.
+  [[nodiscard]] std::int64_t send_credits() const noexcept {
+    return state_->credits.load(std::memory_order_relaxed);
+  }
+
+  // One-sided WRITE of `src` into the peer's `dst` (same length). `timeout` (negative: none) bounds
+  // the wait for the completion. When the send queue is full these back off up to the queue pair's
+  // admission timeout; the try_ forms return nullopt instead.
+  template <class Rep = std::int64_t, class Period = std::nano>
+  [[nodiscard]] transfer write(local_slice src, remote_slice dst,
+                               std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {
+    return admitted([&] { return try_write(src, dst, timeout); });
+  }
+
+  template <class Rep = std::int64_t, class Period = std::nano>
+  [[nodiscard]] std::optional<transfer> try_write(local_slice src, remote_slice dst,
+      std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {
+    const rdma_block b{src, dst};
+    return try_single(IBV_WR_RDMA_WRITE, b, detail_timeout(timeout));
+  }
+
+  // One-sided READ of the peer's `src` into `dst` (same length).
+  template <class Rep = std::int64_t, class Period = std::nano>
+  [[nodiscard]] transfer read(local_slice dst, remote_slice src,
+                              std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {
+    return admitted([&] { return try_read(dst, src, timeout); });
+  }
+
+  template <class Rep = std::int64_t, class Period = std::nano>
+  [[nodiscard]] std::optional<transfer> try_read(local_slice dst, remote_slice src,
+      std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {
+    const rdma_block b{dst, src};
+    return try_single(IBV_WR_RDMA_READ, b, detail_timeout(timeout));
+  }
+
+  // A batch posted as one linked list of work requests, only the last signalled, with one deadline:
+  // out[i] is blocks[i]'s transfer. An error completion fails every member still pending.
+  template <class Rep = std::int64_t, class Period = std::nano>
+  void write_batch(std::span<const rdma_block> blocks, std::span<transfer> out,
+                   std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {
+    batch(IBV_WR_RDMA_WRITE, blocks, out, detail_timeout(timeout));
+  }
+
+  template <class Rep = std::int64_t, class Period = std::nano>
+  void read_batch(std::span<const rdma_block> blocks, std::span<transfer> out,
+                  std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {
+    batch(IBV_WR_RDMA_READ, blocks, out, detail_timeout(timeout));
+  }
+
+  // A small inline SEND carrying `value`. RC delivers it after every WRITE posted before it on this
+  // queue pair has landed, so the peer's receive_notification tells it that its data is there.
+  template <class Rep = std::int64_t, class Period = std::nano>
+  [[nodiscard]] transfer send_notification(std::uint64_t value,
+      std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {
+    const ferry::detail::timeout t = detail_timeout(timeout);
+    return admitted([&]() -> std::optional<transfer> {
+      if (std::optional<transfer> refused = refuse_early()) return refused;
+      if (!reserve(1)) return std::nullopt;
+      op_body* o = make_op(op_kind::notify, t);
+      o->payload = value;
+      o->sge.addr = reinterpret_cast<std::uintptr_t>(&o->payload);
+      o->sge.length = sizeof o->payload;
+      o->wr.opcode = IBV_WR_SEND;
+      o->wr.send_flags = IBV_SEND_INLINE | IBV_SEND_SIGNALED;
+      o->wr.sg_list = &o->sge;
+      o->wr.num_sge = 1;
+      o->wr.wr_id = reinterpret_cast<std::uintptr_t>(o);
+      transfer tr = attach(o);
+      state_->device->publish(o);
+      return tr;
+    });
+  }
+
+  // The next notification the peer sent, in order; `value` is written before the transfer succeeds.
+  template <class Rep = std::int64_t, class Period = std::nano>
+  [[nodiscard]] transfer receive_notification(std::uint64_t& value,
+      std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {
+    op_body* o = make_op(op_kind::wait_notification, detail_timeout(timeout));
+    o->value_out = &value;
+    transfer tr = attach(o);
+    state_->device->publish(o);
+    return tr;
+  }
+
+ private:
+  using op_body = detail::op_body<P>;
+  using op = detail::op<P>;
+  using op_kind = detail::op_kind;
+
+  template <class Rep, class Period>
+  static ferry::detail::timeout detail_timeout(std::chrono::duration<Rep, Period> d) noexcept {
+    return ferry::detail::make_timeout(d);
+  }
+
+  template <class Try>
+  transfer admitted(Try&& attempt) {
+    return post_with_backoff(std::forward<Try>(attempt),
+                             std::chrono::steady_clock::now() + state_->admission_timeout);
+  }
+
+  // A request refused before it takes a slot: the device is dead, the queue pair broken or never
+  // connected.
+  [[nodiscard]] std::optional<transfer> refuse_early() const {
+    if (state_->device->dead()) return failed(make_error_code(errc::device_fatal));
+    if (const std::error_code ec = error(); ec) return failed(ec);
+    if (!state_->connected.load(std::memory_order_acquire)) {
+      return failed(make_error_code(errc::not_connected));
+    }
+    return std::nullopt;
+  }
+
+  [[nodiscard]] static transfer failed(std::error_code ec) {
+    return make_completed_transfer(transfer_state::failed, ec);
+  }
+
+  [[nodiscard]] bool reserve(std::int64_t n) noexcept {
+    std::int64_t have = state_->credits.load(std::memory_order_relaxed);
+    do {
+      if (have < n) return false;
+    } while (!state_->credits.compare_exchange_weak(have, have - n, std::memory_order_acquire,
+                                                    std::memory_order_relaxed));
+    return true;
+  }
+
+  // Why a block cannot be posted, if it cannot.
+  [[nodiscard]] std::error_code check(const rdma_block& b) const noexcept {
+    if (b.local.size() == 0) return make_error_code(ferry::errc::empty_buffer);
+    if (b.local.region_ == nullptr || b.local.region_->device != state_->device) {
+      return make_error_code(errc::outside_local_region);
+    }
+    if (b.remote.length != b.local.size()) return make_error_code(errc::length_mismatch);
+    if (b.local.size() > max_message_bytes) return make_error_code(errc::message_too_large);
+    return {};
+  }
+
+  op_body* make_op(op_kind kind, const ferry::detail::timeout& t) {
+    op_body* o = op::make(kind);
+    o->qp = state_;
+    if (!t.is_forever()) {
+      o->has_deadline = true;
+      o->timer.deadline = t.is_look() ? ferry::detail::clock::now() : t.deadline();
+    }
+    return o;
+  }
+
+  void fill(op_body* o, ibv_wr_opcode opcode, const rdma_block& b) noexcept {
+    o->region = b.local.region_;
+    o->region->add_ref();
+    o->sge.addr = reinterpret_cast<std::uintptr_t>(b.local.data());
+    o->sge.length = static_cast<std::uint32_t>(b.local.size());
+    o->sge.lkey = b.local.region_->lkey;
+    o->wr.wr_id = reinterpret_cast<std::uintptr_t>(o);
+    o->wr.opcode = opcode;
+    o->wr.sg_list = &o->sge;
+    o->wr.num_sge = 1;
+    o->wr.wr.rdma.remote_addr = b.remote.address;
+    o->wr.wr.rdma.rkey = b.remote.rkey;
+  }
+
+  static transfer attach(op_body* o) {
+    ferry::detail::status_block* s = nullptr;
+    try {
+      s = ferry::detail::status_block::make();
+    } catch (...) {
+      if (o->region != nullptr) o->region->release();
+      op::free(o);
+      throw;
+    }
+    o->status = s;
+    return transfer(ferry::detail::adopt, s);
+  }
+
+  std::optional<transfer> try_single(ibv_wr_opcode opcode, const rdma_block& b,
+                                     const ferry::detail::timeout& t) {
+    if (const std::error_code ec = check(b); ec) return failed(ec);
+    if (std::optional<transfer> refused = refuse_early()) return refused;
+    if (!reserve(1)) return std::nullopt;
+    op_body* o = nullptr;
+    try {
+      o = make_op(opcode == IBV_WR_RDMA_READ ? op_kind::read : op_kind::write, t);
+    } catch (...) {
+      state_->credits.fetch_add(1, std::memory_order_relaxed);
+      throw;
+    }
+    fill(o, opcode, b);
+    o->wr.send_flags = IBV_SEND_SIGNALED;
+    transfer tr = attach(o);
+    state_->device->publish(o);
+    return tr;
+  }
+
+  void batch(ibv_wr_opcode opcode, std::span<const rdma_block> blocks, std::span<transfer> out,
+             const ferry::detail::timeout& t) {
+    if (out.size() < blocks.size()) {
+      throw std::invalid_argument("ferry::verbs::queue_pair: batch output span holds " +
+                                  std::to_string(out.size()) + " transfers for " +
+                                  std::to_string(blocks.size()) + " blocks");
+    }
+    // Members refused on their own merits fail alone; the rest form the unit.
+    std::int64_t n = 0;
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+      if (const std::error_code ec = check(blocks[i]); ec) {
+        out[i] = failed(ec);
+      } else {
+        ++n;
+      }
+    }
+    if (n == 0) return;
+    auto refuse_all = [&](std::error_code ec) {
+      for (std::size_t i = 0; i < blocks.size(); ++i) {
+        if (!check(blocks[i])) out[i] = failed(ec);
+      }
+    };
+    if (n > static_cast<std::int64_t>(state_->send_depth)) {
+      return refuse_all(make_error_code(errc::batch_exceeds_send_queue));
+    }
+    std::optional<transfer> admitted_one = admitted_batch(n);
+    if (admitted_one) return refuse_all(admitted_one->error());
+    const op_kind kind = opcode == IBV_WR_RDMA_READ ? op_kind::read : op_kind::write;
+    op_body* lead = nullptr;
+    op_body* last = nullptr;
+    std::uint32_t made = 0;
+    try {
+      for (std::size_t i = 0; i < blocks.size(); ++i) {
+        if (check(blocks[i])) continue;
+        op_body* o = make_op(kind, lead == nullptr ? t : ferry::detail::timeout{});
+        fill(o, opcode, blocks[i]);
+        out[i] = attach(o);
+        ++made;
+        if (lead == nullptr) {
+          lead = o;
+        } else {
+          last->unit_next = o;
+          o->lead = lead;
+        }
+        last = o;
+      }
+    } catch (...) {
+      // Out of memory part-way: what was prepared still goes, so every handed-out transfer ends.
+      state_->credits.fetch_add(n - made, std::memory_order_relaxed);
+      if (lead != nullptr) post_unit(lead, last, made);
+      throw;
+    }
+    post_unit(lead, last, made);
+  }
+
+  void post_unit(op_body* lead, op_body* last, std::uint32_t size) noexcept {
+    lead->last = last;
+    lead->unit_size = size;
+    last->wr.send_flags = IBV_SEND_SIGNALED;
+    state_->device->publish(lead);
+  }
+
+  // Reserves `n` slots, backing off up to the admission timeout. nullopt once they are reserved;
+  // otherwise a failed transfer saying why.
+  std::optional<transfer> admitted_batch(std::int64_t n) {
+    bool got = false;
+    transfer verdict = admitted([&]() -> std::optional<transfer> {
+      if (std::optional<transfer> refused = refuse_early()) return refused;
+      if (!reserve(n)) return std::nullopt;
+      got = true;
+      return transfer{};
+    });
+    if (got) return std::nullopt;
+    return verdict;
+  }
+
+  detail::qp_state<P>* state_ = nullptr;
+};
+
+}  // namespace ferry::verbs

@@ -1,0 +1,135 @@
+#pragma once
+// The verbs backend's error codes. A work completion that failed carries its ibv_wc_status in
+// work_completion_category(), so the code names the status the adapter reported (IBV_WC_REM_ACCESS_ERR
+// and so on). Everything the backend itself decides is a ferry::verbs::errc.
+
+#include <infiniband/verbs.h>
+
+#include <string>
+#include <system_error>
+
+namespace ferry::verbs {
+
+enum class errc : int {
+  queue_pair_error = 1,   // the queue pair is in the error state
+  queue_pair_fatal,       // IBV_EVENT_QP_FATAL (or a request/access error event) on the queue pair
+  completion_queue_error, // IBV_EVENT_CQ_ERR: the completion queue overran or failed
+  device_fatal,           // IBV_EVENT_DEVICE_FATAL
+  port_down,              // IBV_EVENT_PORT_ERR on the queue pair's port
+  deadline_exceeded,      // the request's deadline passed before its completion arrived
+  batch_exceeds_send_queue,
+  outside_local_region,
+  length_mismatch,
+  message_too_large,
+  queue_pair_closed,
+  not_connected,
+  handshake_failed,
+};
+
+namespace detail {
+
+[[nodiscard]] inline const char* wc_status_name(int status) noexcept {
+  switch (status) {
+    case IBV_WC_SUCCESS: return "IBV_WC_SUCCESS";
+    case IBV_WC_LOC_LEN_ERR: return "IBV_WC_LOC_LEN_ERR: local length error";
+    case IBV_WC_LOC_QP_OP_ERR: return "IBV_WC_LOC_QP_OP_ERR: local queue pair operation error";
+    case IBV_WC_LOC_EEC_OP_ERR: return "IBV_WC_LOC_EEC_OP_ERR: local EE context operation error";
+    case IBV_WC_LOC_PROT_ERR: return "IBV_WC_LOC_PROT_ERR: local protection error (bad lkey or address)";
+    case IBV_WC_WR_FLUSH_ERR:
+      return "IBV_WC_WR_FLUSH_ERR: work request flushed (the queue pair is in the error state)";
+    case IBV_WC_MW_BIND_ERR: return "IBV_WC_MW_BIND_ERR: memory window bind error";
+    case IBV_WC_BAD_RESP_ERR: return "IBV_WC_BAD_RESP_ERR: bad response error";
+    case IBV_WC_LOC_ACCESS_ERR: return "IBV_WC_LOC_ACCESS_ERR: local access error";
+    case IBV_WC_REM_INV_REQ_ERR: return "IBV_WC_REM_INV_REQ_ERR: remote invalid request error";
+    case IBV_WC_REM_ACCESS_ERR:
+      return "IBV_WC_REM_ACCESS_ERR: remote access error (bad rkey, range or access rights)";
+    case IBV_WC_REM_OP_ERR: return "IBV_WC_REM_OP_ERR: remote operation error";
+    case IBV_WC_RETRY_EXC_ERR: return "IBV_WC_RETRY_EXC_ERR: transport retry counter exceeded";
+    case IBV_WC_RNR_RETRY_EXC_ERR: return "IBV_WC_RNR_RETRY_EXC_ERR: receiver-not-ready retry counter exceeded";
+    case IBV_WC_LOC_RDD_VIOL_ERR: return "IBV_WC_LOC_RDD_VIOL_ERR: local RDD violation error";
+    case IBV_WC_REM_INV_RD_REQ_ERR: return "IBV_WC_REM_INV_RD_REQ_ERR: remote invalid RD request";
+    case IBV_WC_REM_ABORT_ERR: return "IBV_WC_REM_ABORT_ERR: remote aborted error";
+    case IBV_WC_INV_EECN_ERR: return "IBV_WC_INV_EECN_ERR: invalid EE context number";
+    case IBV_WC_INV_EEC_STATE_ERR: return "IBV_WC_INV_EEC_STATE_ERR: invalid EE context state";
+    case IBV_WC_FATAL_ERR: return "IBV_WC_FATAL_ERR: fatal error";
+    case IBV_WC_RESP_TIMEOUT_ERR: return "IBV_WC_RESP_TIMEOUT_ERR: response timeout error";
+    case IBV_WC_GENERAL_ERR: return "IBV_WC_GENERAL_ERR: general error";
+    case IBV_WC_TM_ERR: return "IBV_WC_TM_ERR: tag matching error";
+    case IBV_WC_TM_RNDV_INCOMPLETE: return "IBV_WC_TM_RNDV_INCOMPLETE: tag matching rendezvous incomplete";
+  }
+  return nullptr;
+}
+
+class work_completion_category_impl final : public std::error_category {
+ public:
+  [[nodiscard]] const char* name() const noexcept override { return "ibv_wc_status"; }
+  [[nodiscard]] std::string message(int value) const override {
+    if (const char* s = wc_status_name(value)) return s;
+    return "unknown ibv_wc_status " + std::to_string(value);
+  }
+};
+
+class error_category_impl final : public std::error_category {
+ public:
+  [[nodiscard]] const char* name() const noexcept override { return "ferry.verbs"; }
+  [[nodiscard]] std::string message(int value) const override {
+    switch (static_cast<errc>(value)) {
+      case errc::queue_pair_error:
+        return "queue pair is in the error state (an earlier work request failed, or it was moved "
+               "to error), so nothing more can be posted on it";
+      case errc::queue_pair_fatal:
+        return "asynchronous event IBV_EVENT_QP_FATAL (or a request or access error event) on the "
+               "queue pair";
+      case errc::completion_queue_error:
+        return "asynchronous event IBV_EVENT_CQ_ERR: the completion queue failed";
+      case errc::device_fatal:
+        return "asynchronous event IBV_EVENT_DEVICE_FATAL: the RDMA device failed";
+      case errc::port_down:
+        return "asynchronous event IBV_EVENT_PORT_ERR: the queue pair's port went down";
+      case errc::deadline_exceeded:
+        return "deadline passed before the work completion arrived (the memory stays registered "
+               "until the queue pair flushes the request)";
+      case errc::batch_exceeds_send_queue:
+        return "batch has more work requests than the queue pair's send queue can ever hold";
+      case errc::outside_local_region:
+        return "local slice belongs to no memory region registered on this queue pair's device";
+      case errc::length_mismatch:
+        return "local and remote slices of a READ or WRITE differ in length";
+      case errc::message_too_large:
+        return "slice is larger than the largest RDMA message (2 GiB)";
+      case errc::queue_pair_closed:
+        return "queue pair was closed before the request completed";
+      case errc::not_connected:
+        return "queue pair is not connected to a peer yet";
+      case errc::handshake_failed:
+        return "connection handshake over the TCP side channel failed";
+    }
+    return "unknown ferry.verbs error " + std::to_string(value);
+  }
+};
+
+}  // namespace detail
+
+[[nodiscard]] inline const std::error_category& work_completion_category() noexcept {
+  static const detail::work_completion_category_impl category;
+  return category;
+}
+
+[[nodiscard]] inline const std::error_category& error_category() noexcept {
+  static const detail::error_category_impl category;
+  return category;
+}
+
+[[nodiscard]] inline std::error_code make_error_code(errc e) noexcept {
+  return {static_cast<int>(e), error_category()};
+}
+
+// The error a failed work completion carries.
+[[nodiscard]] inline std::error_code make_error_code(ibv_wc_status status) noexcept {
+  return {static_cast<int>(status), work_completion_category()};
+}
+
+}  // namespace ferry::verbs
+
+template <>
+struct std::is_error_code_enum<ferry::verbs::errc> : std::true_type {};

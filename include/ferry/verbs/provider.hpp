@@ -1,0 +1,206 @@
+#pragma once
+// The verbs calls the backend makes, gathered in one place. The backend is a template over a
+// provider: `real_provider` below forwards every call to libibverbs (the data-path ones are inline
+// functions of <infiniband/verbs.h> that jump straight into the adapter's driver), and
+// `fake::provider` (fake.hpp) implements the same calls in process for tests. The choice is made at
+// compile time, so the real build pays nothing for the fake.
+//
+// Every call returns 0 or an errno value (creation calls return a null handle and set errno), as
+// libibverbs does; the structures are libibverbs' own (ibv_wc, ibv_send_wr, ibv_qp_attr, ...), so the
+// backend reads the same fields whichever provider it runs on.
+
+#include <infiniband/verbs.h>
+
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include <fcntl.h>
+
+namespace ferry::verbs {
+
+// What the backend learns from one asynchronous event. Providers acknowledge the event before
+// returning it, so the backend may destroy the objects it names at any time.
+template <class QpHandle, class CqHandle>
+struct basic_async_event {
+  ibv_event_type type{};
+  QpHandle qp{};  // for queue pair events
+  CqHandle cq{};  // for IBV_EVENT_CQ_ERR
+  int port = 0;   // for port events
+};
+
+struct real_provider {
+  using context_handle = ibv_context*;
+  using pd_handle = ibv_pd*;
+  using mr_handle = ibv_mr*;
+  using channel_handle = ibv_comp_channel*;
+  using cq_handle = ibv_cq*;
+  using qp_handle = ibv_qp*;
+  using async_event = basic_async_event<qp_handle, cq_handle>;
+
+  // The names of the RDMA devices present (empty when there are none).
+  [[nodiscard]] static std::vector<std::string> device_names() {
+    int n = 0;
+    ibv_device** list = ::ibv_get_device_list(&n);
+    if (list == nullptr) {
+      // ENOSYS: no kernel RDMA support at all; that is "no devices", not an error.
+      if (errno == ENOSYS) return {};
+      throw std::system_error(errno, std::system_category(), "ferry::verbs: ibv_get_device_list");
+    }
+    std::vector<std::string> names;
+    for (int i = 0; i < n; ++i) names.emplace_back(::ibv_get_device_name(list[i]));
+    ::ibv_free_device_list(list);
+    return names;
+  }
+
+  // Opens the device called `name`. Null with errno ENODEV when there is no such device.
+  [[nodiscard]] static context_handle open_device(const std::string& name) noexcept {
+    int n = 0;
+    ibv_device** list = ::ibv_get_device_list(&n);
+    if (list == nullptr) return nullptr;
+    ibv_context* ctx = nullptr;
+    int err = ENODEV;
+    for (int i = 0; i < n; ++i) {
+      if (name == ::ibv_get_device_name(list[i])) {
+        ctx = ::ibv_open_device(list[i]);
+        err = ctx == nullptr ? errno : 0;
+        break;
+      }
+    }
+    ::ibv_free_device_list(list);
+    if (ctx == nullptr) errno = err;
+    return ctx;
+  }
+
+  static void close_device(context_handle c) noexcept { ::ibv_close_device(c); }
+
+  static int query_port(context_handle c, std::uint8_t port, ibv_port_attr& out) noexcept {
+    return ::ibv_query_port(c, port, &out);
+  }
+
+  static int query_gid(context_handle c, std::uint8_t port, int index, ibv_gid& out) noexcept {
+    return ::ibv_query_gid(c, port, index, &out);
+  }
+
+  [[nodiscard]] static pd_handle alloc_pd(context_handle c) noexcept { return ::ibv_alloc_pd(c); }
+  static void dealloc_pd(pd_handle pd) noexcept { ::ibv_dealloc_pd(pd); }
+
+  [[nodiscard]] static mr_handle reg_mr(pd_handle pd, void* addr, std::size_t length,
+                                        int access) noexcept {
+    return ::ibv_reg_mr(pd, addr, length, access);
+  }
+  static int dereg_mr(mr_handle mr) noexcept { return ::ibv_dereg_mr(mr); }
+  [[nodiscard]] static std::uint32_t lkey(mr_handle mr) noexcept { return mr->lkey; }
+  [[nodiscard]] static std::uint32_t rkey(mr_handle mr) noexcept { return mr->rkey; }
+
+  // The channel's descriptor is made non-blocking, so get_cq_event returns EAGAIN when nothing is
+  // pending.
+  [[nodiscard]] static channel_handle create_comp_channel(context_handle c) noexcept {
+    ibv_comp_channel* ch = ::ibv_create_comp_channel(c);
+    if (ch != nullptr && !set_nonblocking(ch->fd)) {
+      const int err = errno;
+      ::ibv_destroy_comp_channel(ch);
+      errno = err;
+      return nullptr;
+    }
+    return ch;
+  }
+  static int destroy_comp_channel(channel_handle ch) noexcept {
+    return ::ibv_destroy_comp_channel(ch);
+  }
+  [[nodiscard]] static int channel_fd(channel_handle ch) noexcept { return ch->fd; }
+
+  [[nodiscard]] static cq_handle create_cq(context_handle c, int entries,
+                                           channel_handle ch) noexcept {
+    return ::ibv_create_cq(c, entries, nullptr, ch, 0);
+  }
+  static int destroy_cq(cq_handle cq) noexcept { return ::ibv_destroy_cq(cq); }
+
+  static int req_notify_cq(cq_handle cq, bool solicited_only) noexcept {
+    return ::ibv_req_notify_cq(cq, solicited_only ? 1 : 0);
+  }
+  static int get_cq_event(channel_handle ch, cq_handle& out) noexcept {
+    void* context = nullptr;
+    if (::ibv_get_cq_event(ch, &out, &context) != 0) return errno == 0 ? EIO : errno;
+    return 0;
+  }
+  static void ack_cq_events(cq_handle cq, unsigned n) noexcept { ::ibv_ack_cq_events(cq, n); }
+  // The number of completions written to `wc`, or a negative value on failure.
+  static int poll_cq(cq_handle cq, int n, ibv_wc* wc) noexcept { return ::ibv_poll_cq(cq, n, wc); }
+
+  // An RC queue pair in the RESET state; `cap` is updated with what the device granted.
+  [[nodiscard]] static qp_handle create_qp(pd_handle pd, cq_handle send_cq, cq_handle recv_cq,
+                                           ibv_qp_cap& cap) noexcept {
+    ibv_qp_init_attr attr{};
+    attr.send_cq = send_cq;
+    attr.recv_cq = recv_cq;
+    attr.cap = cap;
+    attr.qp_type = IBV_QPT_RC;
+    attr.sq_sig_all = 0;
+    ibv_qp* qp = ::ibv_create_qp(pd, &attr);
+    if (qp != nullptr) cap = attr.cap;
+    return qp;
+  }
+  static int destroy_qp(qp_handle qp) noexcept { return ::ibv_destroy_qp(qp); }
+  [[nodiscard]] static std::uint32_t qp_num(qp_handle qp) noexcept { return qp->qp_num; }
+  static int modify_qp(qp_handle qp, ibv_qp_attr& attr, int mask) noexcept {
+    return ::ibv_modify_qp(qp, &attr, mask);
+  }
+
+  static int post_send(qp_handle qp, ibv_send_wr* wr, ibv_send_wr** bad) noexcept {
+    return ::ibv_post_send(qp, wr, bad);
+  }
+  static int post_recv(qp_handle qp, ibv_recv_wr* wr, ibv_recv_wr** bad) noexcept {
+    return ::ibv_post_recv(qp, wr, bad);
+  }
+
+  // The context's asynchronous event descriptor, made non-blocking by prepare_async_fd.
+  [[nodiscard]] static int async_fd(context_handle c) noexcept { return c->async_fd; }
+  [[nodiscard]] static bool prepare_async_fd(context_handle c) noexcept {
+    return set_nonblocking(c->async_fd);
+  }
+
+  // 0 and one event (already acknowledged), or EAGAIN when none is pending.
+  static int get_async_event(context_handle c, async_event& out) noexcept {
+    ibv_async_event ev{};
+    if (::ibv_get_async_event(c, &ev) != 0) return errno == 0 ? EIO : errno;
+    out = async_event{};
+    out.type = ev.event_type;
+    switch (ev.event_type) {
+      case IBV_EVENT_CQ_ERR:
+        out.cq = ev.element.cq;
+        break;
+      case IBV_EVENT_PORT_ACTIVE:
+      case IBV_EVENT_PORT_ERR:
+      case IBV_EVENT_LID_CHANGE:
+      case IBV_EVENT_PKEY_CHANGE:
+      case IBV_EVENT_SM_CHANGE:
+      case IBV_EVENT_CLIENT_REREGISTER:
+      case IBV_EVENT_GID_CHANGE:
+        out.port = ev.element.port_num;
+        break;
+      case IBV_EVENT_DEVICE_FATAL:
+        break;
+      case IBV_EVENT_SRQ_ERR:
+      case IBV_EVENT_SRQ_LIMIT_REACHED:
+      case IBV_EVENT_WQ_FATAL:
+        break;
+      default:
+        out.qp = ev.element.qp;
+        break;
+    }
+    ::ibv_ack_async_event(&ev);
+    return 0;
+  }
+
+ private:
+  static bool set_nonblocking(int fd) noexcept {
+    const int flags = ::fcntl(fd, F_GETFL);
+    return flags >= 0 && ::fcntl(fd, F_SETFL, flags | O_NONBLOCK) == 0;
+  }
+};
+
+}  // namespace ferry::verbs
