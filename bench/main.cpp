@@ -55,9 +55,12 @@ int main(int argc, char** argv) {
   if (uring || tcp) std::printf("\n## io_uring and TCP\n\nskipped: built without liburing\n");
 #endif
 #if FERRY_BENCH_VERBS
-  if (verbs) ferry_bench::run_verbs(opt);
+  if (verbs) {
+    ferry_bench::run_verbs(opt);
+    ferry_bench::run_verbs_hardware(opt);
+  }
 #else
-  if (verbs) std::printf("\n## RDMA verbs\n\nskipped: built without the libibverbs headers\n");
+  if (verbs) std::printf("\n## RDMA verbs\n\nskipped: built without libibverbs\n");
 #endif
 
   std::printf("\n## Targets\n\n| target | measured | |\n|---|---|---|\n");
