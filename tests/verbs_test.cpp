@@ -25,76 +25,12 @@
 #include <ferry/verbs/handshake.hpp>
 
 #include "helpers.hpp"
+#include "verbs_helpers.hpp"
 
 namespace {
 
 using namespace std::chrono_literals;
-namespace fv = ferry::verbs;
-using ferry::transfer;
-using ferry::transfer_state;
-using ferry_test::hang_bound;
-using provider = fv::fake::provider;
-using device = fv::basic_device<provider>;
-using region = fv::basic_memory_region<provider>;
-using queue_pair = fv::basic_queue_pair<provider>;
-using block = fv::basic_rdma_block<provider>;
-using fabric = fv::fake::fabric;
-
-std::string fresh_device(const char* what) {
-  static std::atomic<int> n{0};
-  std::string name = std::string("ferry_") + what + "_" + std::to_string(n++);
-  fabric::instance().add_device(name);
-  return name;
-}
-
-// Pauses the fake adapter for the scope: nothing is executed and no completion arrives.
-struct paused_fabric {
-  paused_fabric() { fabric::instance().pause(); }
-  ~paused_fabric() { resume(); }
-  void resume() {
-    if (paused_) fabric::instance().resume();
-    paused_ = false;
-  }
-  bool paused_ = true;
-};
-
-void fill_pattern(std::span<std::byte> bytes, std::uint32_t seed) {
-  for (std::size_t i = 0; i < bytes.size(); ++i) {
-    bytes[i] = static_cast<std::byte>((i * 2654435761u + seed) >> 13);
-  }
-}
-
-bool has_pattern(std::span<const std::byte> bytes, std::uint32_t seed) {
-  for (std::size_t i = 0; i < bytes.size(); ++i) {
-    if (bytes[i] != static_cast<std::byte>((i * 2654435761u + seed) >> 13)) return false;
-  }
-  return true;
-}
-
-// Two fake adapters on one executor, a region on each and a connected queue pair between them.
-// Members are destroyed in reverse: queue pairs, regions, devices, then the executor.
-struct rig {
-  explicit rig(fv::queue_pair_options qp_options = {}, std::size_t bytes = std::size_t{1} << 20,
-               ferry::executor_options exec_options = {})
-      : exec(exec_options),
-        a(std::make_unique<device>(exec, fv::device_options{fresh_device("a"), 1, 0, 8192})),
-        b(std::make_unique<device>(exec, fv::device_options{fresh_device("b"), 1, 0, 8192})),
-        a_mem(std::make_unique<region>(region::allocate(*a, bytes))),
-        b_mem(std::make_unique<region>(region::allocate(*b, bytes))),
-        a_qp(std::make_unique<queue_pair>(*a, qp_options)),
-        b_qp(std::make_unique<queue_pair>(*b, qp_options)) {
-    a_qp->connect(b_qp->local_info());
-    b_qp->connect(a_qp->local_info());
-  }
-
-  ferry::progress_executor exec;
-  std::unique_ptr<device> a;
-  std::unique_ptr<device> b;
-  std::unique_ptr<region> a_mem;
-  std::unique_ptr<region> b_mem;
-  std::unique_ptr<queue_pair> a_qp;
-  std::unique_ptr<queue_pair> b_qp;
-};
+using namespace ferry_test::verbs;
 
 bool all_end(std::span<const transfer> ts, transfer_state want) {
   for (const transfer& t : ts) {
@@ -326,7 +262,7 @@ TEST_CASE("verbs: a request whose completion never comes fails at its deadline, 
 
 TEST_CASE("verbs: a notification arrives only after the WRITEs posted before it have landed",
           "[verbs]") {
-  rig r({}, std::size_t{8} << 20);
+  rig r(rig::with({}, std::size_t{8} << 20));
   constexpr std::uint32_t rounds = 64;
   constexpr std::size_t per_round = 16;
   constexpr std::size_t size = 4096;
@@ -445,7 +381,7 @@ TEST_CASE("verbs: bad input is refused with an error naming what was wrong", "[v
   fv::queue_pair_options huge;
   huge.send_depth = 100000;
   CHECK_THROWS_AS(queue_pair(*r.a, huge), std::length_error);
-  CHECK_THROWS_AS(device(r.exec, fv::device_options{"ferry_no_such_device", 1, 0, 64}),
+  CHECK_THROWS_AS(device(*r.exec_a, fv::device_options{"ferry_no_such_device", 1, 0, 64}),
                   std::runtime_error);
   CHECK_THROWS_AS(region::allocate(*r.a, 0), std::invalid_argument);
 }
@@ -490,20 +426,22 @@ TEST_CASE("verbs: the executor sleeps on the completion channel and never misses
           "[verbs][concurrency]") {
   ferry::executor_options eo;
   eo.mode = ferry::progress_mode::park;
-  rig r({}, std::size_t{1} << 20, eo);
+  rig_options ro;
+  ro.exec = eo;
+  rig r(ro);
   // Every round trip lets the executor arm the CQ and sleep; a completion that lands between its
   // last poll and the arming must still wake it (the re-poll after arming).
   for (int i = 0; i < 5000; ++i) {
     transfer t = r.a_qp->write(r.a_mem->slice(0, 64), r.b_mem->remote().slice(0, 64));
     REQUIRE(t.wait_for(hang_bound) == transfer_state::success);
   }
-  CHECK(r.exec.counters().parks > 0);
+  CHECK(r.exec_a->counters().parks > 0);
 }
 
 TEST_CASE("verbs: 10^5 transfers from four threads over two queue pairs", "[verbs][concurrency]") {
   fv::queue_pair_options o;
   o.send_depth = 128;
-  rig r(o, std::size_t{1} << 20);
+  rig r(o);
   queue_pair second_a(*r.a, o);
   queue_pair second_b(*r.b, o);
   second_a.connect(second_b.local_info());

@@ -175,6 +175,8 @@ struct op_body {
   bool timer_armed = false;
   bool posted = false;
   bool listed = false;       // a lead in its queue pair's list of posted units
+  bool orphaned = false;     // a lead cut part-way whose tail cannot be posted: ends with its QP
+  bool failed = false;       // a lead whose members have all been failed
   std::uint32_t unit_size = 1;
   qp_state<P>* qp = nullptr;
   region_state<P>* region = nullptr;
@@ -298,12 +300,15 @@ struct qp_state {
   std::uint32_t slot_count = 0;
   typename P::mr_handle slots_mr{};
   std::uint32_t receives_posted = 0;
+  std::int64_t cq_reserved = 0;  // completion queue entries promised to it
   bool in_error = false;  // the executor moved it, or saw it move, to the error state
   bool closing = false;
   bool listed_pending = false;
   qp_state* all_prev = nullptr;  // the device's queue pairs
   qp_state* all_next = nullptr;
   qp_state* pending_next = nullptr;  // the device's queue pairs with members to post
+  qp_state* doomed_next = nullptr;   // closing queue pairs to look at after a completion batch
+  bool doomed = false;
 };
 
 template <class P>
@@ -494,7 +499,12 @@ class basic_device {
   [[nodiscard]] progress_executor& executor() const noexcept { return exec_; }
   [[nodiscard]] const std::string& name() const noexcept { return name_; }
   [[nodiscard]] std::uint16_t lid() const noexcept { return lid_; }
-  [[nodiscard]] bool dead() const noexcept { return dead_.load(std::memory_order_acquire); }
+  // Empty while usable; otherwise why nothing on this device can complete (a CQ error or a fatal
+  // device event).
+  [[nodiscard]] std::error_code failure() const noexcept {
+    const int f = failure_.load(std::memory_order_acquire);
+    return f == 0 ? std::error_code{} : make_error_code(static_cast<errc>(f));
+  }
   [[nodiscard]] typename P::context_handle native_context() const noexcept { return context_; }
   [[nodiscard]] typename P::cq_handle native_cq() const noexcept { return cq_; }
 
@@ -678,11 +688,13 @@ class basic_device {
       if (!s->qp) throw system_error("ibv_create_qp");
       s->qp_num = P::qp_num(s->qp);
       s->psn = detail::initial_psn(s.get());
-      s->send_depth = o.send_depth;
+      // What the device granted: a provider may clamp the request.
+      s->send_depth = std::min(o.send_depth, cap.max_send_wr);
       s->max_inline = cap.max_inline_data;
       s->max_rd_atomic = o.max_rd_atomic;
       s->admission_timeout = o.admission_timeout;
-      s->credits.store(o.send_depth, std::memory_order_relaxed);
+      s->cq_reserved = needs;
+      s->credits.store(s->send_depth, std::memory_order_relaxed);
 
       ibv_qp_attr attr{};
       attr.qp_state = IBV_QPS_INIT;
@@ -697,13 +709,13 @@ class basic_device {
         throw std::system_error(r, std::system_category(), "ferry::verbs: ibv_modify_qp(INIT)");
       }
 
-      s->slot_count = o.receive_depth;
-      s->slots = std::make_unique<receive_slot[]>(o.receive_depth);
-      s->arrived.resize(o.receive_depth);
-      s->slots_mr = P::reg_mr(pd_, s->slots.get(), sizeof(receive_slot) * o.receive_depth,
+      s->slot_count = std::min(o.receive_depth, cap.max_recv_wr);
+      s->slots = std::make_unique<receive_slot[]>(s->slot_count);
+      s->arrived.resize(s->slot_count);
+      s->slots_mr = P::reg_mr(pd_, s->slots.get(), sizeof(receive_slot) * s->slot_count,
                               IBV_ACCESS_LOCAL_WRITE);
       if (!s->slots_mr) throw system_error("ibv_reg_mr(receive buffers)");
-      for (std::uint32_t i = 0; i < o.receive_depth; ++i) {
+      for (std::uint32_t i = 0; i < s->slot_count; ++i) {
         receive_slot& slot = s->slots[i];
         slot.qp = s.get();
         slot.sge.addr = reinterpret_cast<std::uintptr_t>(&slot.value);
@@ -790,8 +802,8 @@ class basic_device {
   }
 
   void close_queue_pair(qp_state* s) noexcept {
-    queue_pairs_.fetch_sub(1, std::memory_order_release);
     publish(s->close_op);
+    queue_pairs_.fetch_sub(1, std::memory_order_release);
   }
 
   void stop_watcher() noexcept {
@@ -883,6 +895,10 @@ class basic_device {
         q->all_next = qps_;
         if (qps_ != nullptr) qps_->all_prev = q;
         qps_ = q;
+        // Created after the CQ or the device failed: nothing on it could ever complete.
+        if (const int f = failure_.load(std::memory_order_relaxed); f != 0) {
+          break_queue_pair(q, static_cast<errc>(f));
+        }
         return;
       case op_kind::close:
         op::free(lead);
@@ -895,11 +911,11 @@ class basic_device {
       case op_kind::notify:
         break;
     }
-    if (const std::error_code ec = refusal(q); ec) {
-      fail_unit(lead, ec);
-      return release_unit(lead);
+    if (const std::error_code ec = refusal(q); ec) return end_unit(lead, transfer_state::failed, ec);
+    if (!arm_deadline(lead)) {
+      return end_unit(lead, transfer_state::failed,
+                      std::make_error_code(std::errc::not_enough_memory));
     }
-    if (!arm_deadline(lead)) return release_unit(lead);
     for (op_body* m = lead; m != nullptr; m = m->unit_next) q->pending.push(m);
     if (!q->listed_pending) {
       q->listed_pending = true;
@@ -920,22 +936,19 @@ class basic_device {
     qp_state* q = w->qp;
     if (q->arrived_at != 0) return deliver(q, w, take_arrived(q));
     if (const std::error_code ec = refusal(q); ec) return end_wait(w, transfer_state::failed, ec);
-    if (!arm_deadline(w)) return;
+    if (!arm_deadline(w)) {
+      return end_wait(w, transfer_state::failed, std::make_error_code(std::errc::not_enough_memory));
+    }
     q->waiters.push(w);
   }
 
-  // Arms the unit's deadline timer. On failure the unit has been failed; the caller releases it.
+  // Arms the deadline timer; false when it cannot (out of memory), and the caller ends the request.
   bool arm_deadline(op_body* lead) noexcept {
     if (!lead->has_deadline) return true;
     lead->timer.fire = &on_deadline;
     try {
       exec_.timers().arm(lead->timer);
     } catch (...) {
-      if (lead->kind == op_kind::wait_notification) {
-        end_wait(lead, transfer_state::failed, std::make_error_code(std::errc::not_enough_memory));
-      } else {
-        fail_unit(lead, std::make_error_code(std::errc::not_enough_memory));
-      }
       return false;
     }
     lead->timer_armed = true;
@@ -969,13 +982,14 @@ class basic_device {
         end_wait(lead, transfer_state::failed, late);
         continue;
       }
-      fail_unit(lead, late);
       if (!lead->posted) {
         // Never reached the adapter (the provider refused it for now): it can go at once.
         lead->qp->pending.remove_if([lead](op_body* m) { return m->lead == lead; });
-        release_unit(lead);
+        end_unit(lead, transfer_state::failed, late);
+      } else {
+        // Its memory stays pinned until the adapter returns its completion.
+        fail_unit(lead, late);
       }
-      // Otherwise its memory stays pinned until the adapter returns its completion.
     }
     return n;
   }
@@ -1014,11 +1028,20 @@ class basic_device {
     }
     posted_.fetch_add(posted, std::memory_order_relaxed);
     if (r == 0 || q->pending.empty()) return;
-    // ENOMEM while requests are in flight: their completions free room, and the rest goes then.
-    if (r == ENOMEM && q->posted_head != nullptr) return;
+    // ENOMEM while whole units are in flight: their signalled completions free room, and the rest
+    // goes then. Without one, nothing would ever free it (the head of a unit cut here is
+    // unsignalled): the queue pair cannot go on.
+    if (r == ENOMEM && completion_coming(q)) return;
     const std::error_code ec(r, std::system_category());
     for (op_body* o = q->pending.head; o != nullptr; o = o->next) fail_unit(o->lead, ec);
     break_queue_pair(q, errc::queue_pair_error);
+  }
+
+  [[nodiscard]] static bool completion_coming(const qp_state* q) noexcept {
+    for (const op_body* l = q->posted_head; l != nullptr; l = l->list_next) {
+      if (l->last->posted && !l->orphaned) return true;
+    }
+    return false;
   }
 
   void list_posted(qp_state* q, op_body* lead) noexcept {
@@ -1045,11 +1068,17 @@ class basic_device {
       const int want = static_cast<int>(std::min<std::size_t>(batch, budget - handled));
       const int n = P::poll_cq(cq_, want, wc);
       if (n < 0) {
-        cq_failed_ = true;
-        for_each_qp([this](qp_state* q) { break_queue_pair(q, errc::completion_queue_error); });
+        fail_device(errc::completion_queue_error);
         break;
       }
       for (int i = 0; i < n; ++i) on_completion(wc[i]);
+      // Closing queue pairs that may now go are destroyed only after the whole batch: a later
+      // entry of it may still name one of them.
+      while (qp_state* q = doomed_) {
+        doomed_ = q->doomed_next;
+        q->doomed = false;
+        maybe_destroy(q);
+      }
       handled += static_cast<std::size_t>(n);
       if (n < want) break;
     }
@@ -1066,24 +1095,33 @@ class basic_device {
     qp_state* q = lead->qp;
     if (wc.status == IBV_WC_SUCCESS) {
       // Only a unit's last member is signalled, and RC completes in order: every member landed.
-      succeed_unit(lead);
+      end_unit(lead, transfer_state::success, {});
     } else {
-      fail_unit(lead, make_error_code(static_cast<ibv_wc_status>(wc.status)));
+      const std::error_code ec = make_error_code(static_cast<ibv_wc_status>(wc.status));
+      if (o == lead->last) {
+        end_unit(lead, transfer_state::failed, ec);
+      } else {
+        fail_unit(lead, ec);  // the flushes of the rest follow; the last one ends the unit
+      }
       // The queue pair is in the error state now: nothing queued behind can succeed.
       if (!q->in_error) break_queue_pair(q, errc::queue_pair_error, false);
     }
-    if (o == lead->last) {
-      release_unit(lead);
-      if (q->closing) maybe_destroy(q);
-    }
+    if (q->closing) doom(q);
+  }
+
+  void doom(qp_state* q) noexcept {
+    if (q->doomed) return;
+    q->doomed = true;
+    q->doomed_next = doomed_;
+    doomed_ = q;
   }
 
   void on_receive(receive_slot* slot, const ibv_wc& wc) noexcept {
     qp_state* q = slot->qp;
     --q->receives_posted;
+    if (q->closing) return doom(q);  // nobody can take it any more
     if (wc.status != IBV_WC_SUCCESS) {
       if (!q->in_error) break_queue_pair(q, errc::queue_pair_error, false);
-      if (q->closing) maybe_destroy(q);
       return;
     }
     if (wc.byte_len != sizeof slot->value) {
@@ -1133,17 +1171,17 @@ class basic_device {
     s->release_completer_ref();
   }
 
-  void succeed_unit(op_body* lead) noexcept {
-    for (op_body* m = lead; m != nullptr; m = m->unit_next) m->status->complete(transfer_state::success, {});
-  }
-
-  // Fails every member still pending; a member already ended keeps its result.
+  // Fails every member still pending; a member already ended keeps its result. Once per unit: a
+  // failed batch of k members gets up to k flush completions, each of which lands here.
   void fail_unit(op_body* lead, std::error_code ec) noexcept {
+    if (lead->failed) return;
+    lead->failed = true;
     for (op_body* m = lead; m != nullptr; m = m->unit_next) m->status->complete(transfer_state::failed, ec);
   }
 
-  // The adapter is done with the unit (or never had it): its slots, memory and ops go back.
-  void release_unit(op_body* lead) noexcept {
+  // The adapter is done with the unit (or never had it). Its slots go back first, then its members
+  // end (`to`, unless already ended): a continuation resumed inline by that may post again at once.
+  void end_unit(op_body* lead, transfer_state to, std::error_code ec) noexcept {
     qp_state* q = lead->qp;
     cancel_timer(lead);
     unlist_posted(q, lead);
@@ -1153,22 +1191,39 @@ class basic_device {
       ferry::detail::status_block* s = m->status;
       region_state* r = m->region;
       op::free(m);
-      // A unit released without a completion (shutdown, destroyed queue pair) ends here.
-      s->complete(transfer_state::failed, make_error_code(ferry::errc::backend_shut_down));
-      s->release_completer_ref();
+      // The adapter is done with the memory: the region goes first, so that a continuation resumed
+      // by the completion already sees it free (in_use() false).
       if (r != nullptr) r->release();
+      s->complete(to, ec);
+      s->release_completer_ref();
       m = next;
     }
   }
 
-  // Fails what has not reached the adapter; units with members already posted wait for them.
-  void abandon_pending(qp_state* q) noexcept {
-    while (op_body* o = q->pending.pop()) {
+  // Ends what has not reached the adapter. A unit cut by post_send part-way has its head in the
+  // adapter: its tail is posted now, into the queue pair in the error state, so that the adapter
+  // flushes it and the flush of its last member ends the unit. If even that is refused, the unit
+  // stays until the queue pair is destroyed (which stops the adapter touching its memory).
+  void abandon_pending(qp_state* q, std::error_code ec) noexcept {
+    while (op_body* o = q->pending.head) {
       op_body* lead = o->lead;
-      if (lead->posted) continue;  // part of it is in the adapter: released with its completion
-      // Drop the unit's remaining members from the queue, then let it go.
-      q->pending.remove_if([lead](op_body* m) { return m->lead == lead; });
-      release_unit(lead);
+      if (!lead->posted) {
+        q->pending.remove_if([lead](op_body* m) { return m->lead == lead; });
+        end_unit(lead, transfer_state::failed, ec);
+        continue;
+      }
+      fail_unit(lead, ec);
+      op_body* tail = o;
+      for (op_body* m = o; m != nullptr; m = m->unit_next) {
+        q->pending.pop();
+        m->wr.next = m->unit_next != nullptr ? &m->unit_next->wr : nullptr;
+      }
+      ibv_send_wr* bad = nullptr;
+      if (P::post_send(q->qp, &tail->wr, &bad) == 0) {
+        for (op_body* m = tail; m != nullptr; m = m->unit_next) m->posted = true;
+      } else {
+        lead->orphaned = true;
+      }
     }
   }
 
@@ -1180,8 +1235,13 @@ class basic_device {
                                       std::memory_order_relaxed);
     const std::error_code ec =
         make_error_code(static_cast<errc>(q->broken.load(std::memory_order_relaxed)));
-    for (op_body* o = q->pending.head; o != nullptr; o = o->next) fail_unit(o->lead, ec);
-    abandon_pending(q);
+    if (move && !q->in_error) {
+      ibv_qp_attr attr{};
+      attr.qp_state = IBV_QPS_ERR;
+      P::modify_qp(q->qp, attr, IBV_QP_STATE);
+    }
+    q->in_error = true;
+    abandon_pending(q, ec);
     if (why != errc::queue_pair_error) {
       // A fatal event or a close strands what is posted (its completions may never come): end it
       // now; the flush, if it comes, frees it later.
@@ -1193,12 +1253,6 @@ class basic_device {
       cancel_timer(w);
       end_wait(w, transfer_state::failed, ec);
     }
-    if (move && !q->in_error) {
-      ibv_qp_attr attr{};
-      attr.qp_state = IBV_QPS_ERR;
-      P::modify_qp(q->qp, attr, IBV_QP_STATE);
-    }
-    q->in_error = true;
   }
 
   void close_now(qp_state* q) noexcept {
@@ -1207,9 +1261,13 @@ class basic_device {
     maybe_destroy(q);
   }
 
-  // A closing queue pair goes once the adapter has handed back everything it was given.
+  // A closing queue pair goes once the adapter has handed back everything it was given (an orphaned
+  // unit will never be: destroying the queue pair is what ends it).
   void maybe_destroy(qp_state* q) noexcept {
-    if (q->posted_head != nullptr || q->receives_posted != 0 || shutting_down_) return;
+    if (q->receives_posted != 0 || shutting_down_) return;
+    for (const op_body* l = q->posted_head; l != nullptr; l = l->list_next) {
+      if (!l->orphaned) return;
+    }
     (q->all_prev == nullptr ? qps_ : q->all_prev->all_next) = q->all_next;
     if (q->all_next != nullptr) q->all_next->all_prev = q->all_prev;
     destroy_qp(q);
@@ -1223,20 +1281,25 @@ class basic_device {
       *link = q->pending_next;
     }
     P::destroy_qp(q->qp);
-    while (op_body* l = q->posted_head) release_unit(l);
+    const std::error_code gone = make_error_code(errc::queue_pair_closed);
+    while (op_body* l = q->posted_head) end_unit(l, transfer_state::failed, gone);
     if (q->slots_mr) P::dereg_mr(q->slots_mr);
     {
       std::lock_guard lock(setup_mutex_);
-      cq_room_ += std::int64_t{q->send_depth} + q->slot_count;
+      cq_room_ += q->cq_reserved;
     }
     if (q->close_op != nullptr) op::free(q->close_op);
     delete q;
   }
 
+  // The destructor's: the queue pair is destroyed next, which ends whatever is still posted.
   void fail_everything(qp_state* q, std::error_code ec) noexcept {
-    for (op_body* o = q->pending.head; o != nullptr; o = o->next) fail_unit(o->lead, ec);
     for (op_body* l = q->posted_head; l != nullptr; l = l->list_next) fail_unit(l, ec);
-    abandon_pending(q);
+    while (op_body* o = q->pending.head) {
+      op_body* lead = o->lead;
+      q->pending.remove_if([lead](op_body* m) { return m->lead == lead; });
+      if (!lead->posted) end_unit(lead, transfer_state::failed, ec);
+    }
     while (op_body* w = q->waiters.pop()) end_wait(w, transfer_state::failed, ec);
   }
 
@@ -1259,6 +1322,15 @@ class basic_device {
     for (op_body* w = q->waiters.head; w != nullptr; w = w->next) f(w);
   }
 
+  // Nothing on the device can complete any more: every queue pair, and any created later, fails.
+  void fail_device(errc why) noexcept {
+    int none = 0;
+    failure_.compare_exchange_strong(none, static_cast<int>(why), std::memory_order_release,
+                                     std::memory_order_relaxed);
+    cq_failed_ = true;
+    for_each_qp([this, why](qp_state* q) { break_queue_pair(q, why); });
+  }
+
   std::size_t handle_async_events() noexcept {
     std::vector<async_event> events;
     {
@@ -1274,16 +1346,14 @@ class basic_device {
         case IBV_EVENT_QP_ACCESS_ERR:
         case IBV_EVENT_PATH_MIG_ERR:
           for_each_qp([&](qp_state* q) {
-            if (q->qp == ev.qp) break_queue_pair(q, errc::queue_pair_fatal);
+            if (q->qp == ev.qp && q->qp_num == ev.qp_num) break_queue_pair(q, errc::queue_pair_fatal);
           });
           break;
         case IBV_EVENT_CQ_ERR:
-          cq_failed_ = true;
-          for_each_qp([this](qp_state* q) { break_queue_pair(q, errc::completion_queue_error); });
+          fail_device(errc::completion_queue_error);
           break;
         case IBV_EVENT_DEVICE_FATAL:
-          dead_.store(true, std::memory_order_release);
-          for_each_qp([this](qp_state* q) { break_queue_pair(q, errc::device_fatal); });
+          fail_device(errc::device_fatal);
           break;
         case IBV_EVENT_PORT_ERR:
           if (ev.port == options_.port) {
@@ -1313,7 +1383,7 @@ class basic_device {
   std::int64_t cq_room_ = 0;  // completion queue entries not yet promised to a queue pair
   std::atomic<int> queue_pairs_{0};
   std::atomic<int> regions_{0};
-  std::atomic<bool> dead_{false};
+  std::atomic<int> failure_{0};  // a verbs::errc once the CQ or the device failed
 
   int stop_fd_ = -1;
   std::thread watcher_;
@@ -1326,6 +1396,7 @@ class basic_device {
   // The executor's.
   qp_state* qps_ = nullptr;
   qp_state* with_pending_ = nullptr;
+  qp_state* doomed_ = nullptr;
   op_body* expired_ = nullptr;
   bool cq_failed_ = false;
   bool shutting_down_ = false;
@@ -1430,7 +1501,9 @@ class basic_queue_pair {
   }
 
   // A small inline SEND carrying `value`. RC delivers it after every WRITE posted before it on this
-  // queue pair has landed, so the peer's receive_notification tells it that its data is there.
+  // queue pair has landed, so the peer's receive_notification tells it that its data is there. It
+  // covers only WRITEs the queue pair accepted: one whose transfer came back already failed (bad
+  // input, a full send queue) never went, so check those before notifying.
   template <class Rep = std::int64_t, class Period = std::nano>
   [[nodiscard]] transfer send_notification(std::uint64_t value,
       std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {
@@ -1438,22 +1511,30 @@ class basic_queue_pair {
     return admitted([&]() -> std::optional<transfer> {
       if (std::optional<transfer> refused = refuse_early()) return refused;
       if (!reserve(1)) return std::nullopt;
-      op_body* o = make_op(op_kind::notify, t);
-      o->payload = value;
-      o->sge.addr = reinterpret_cast<std::uintptr_t>(&o->payload);
-      o->sge.length = sizeof o->payload;
-      o->wr.opcode = IBV_WR_SEND;
-      o->wr.send_flags = IBV_SEND_INLINE | IBV_SEND_SIGNALED;
-      o->wr.sg_list = &o->sge;
-      o->wr.num_sge = 1;
-      o->wr.wr_id = reinterpret_cast<std::uintptr_t>(o);
-      transfer tr = attach(o);
+      op_body* o = nullptr;
+      transfer tr;
+      try {
+        o = make_op(op_kind::notify, t);
+        o->payload = value;
+        o->sge.addr = reinterpret_cast<std::uintptr_t>(&o->payload);
+        o->sge.length = sizeof o->payload;
+        o->wr.opcode = IBV_WR_SEND;
+        o->wr.send_flags = IBV_SEND_INLINE | IBV_SEND_SIGNALED;
+        o->wr.sg_list = &o->sge;
+        o->wr.num_sge = 1;
+        o->wr.wr_id = reinterpret_cast<std::uintptr_t>(o);
+        tr = attach(o);
+      } catch (...) {
+        state_->credits.fetch_add(1, std::memory_order_relaxed);
+        throw;
+      }
       state_->device->publish(o);
       return tr;
     });
   }
 
-  // The next notification the peer sent, in order; `value` is written before the transfer succeeds.
+  // The next notification the peer sent, in order; `value` is written before the transfer succeeds,
+  // so it must stay valid until the transfer is terminal (a deadline bounds that wait).
   template <class Rep = std::int64_t, class Period = std::nano>
   [[nodiscard]] transfer receive_notification(std::uint64_t& value,
       std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {
@@ -1474,8 +1555,14 @@ class basic_queue_pair {
     return ferry::detail::make_timeout(d);
   }
 
+  // On the executor's own thread (a continuation resumed inline) waiting would only stop the
+  // completions that free room, so there the request is tried once.
   template <class Try>
   transfer admitted(Try&& attempt) {
+    if (state_->device->executor().on_executor_thread()) {
+      if (std::optional<transfer> t = attempt()) return std::move(*t);
+      return failed(make_error_code(ferry::errc::submission_queue_full));
+    }
     return post_with_backoff(std::forward<Try>(attempt),
                              std::chrono::steady_clock::now() + state_->admission_timeout);
   }
@@ -1483,7 +1570,7 @@ class basic_queue_pair {
   // A request refused before it takes a slot: the device is dead, the queue pair broken or never
   // connected.
   [[nodiscard]] std::optional<transfer> refuse_early() const {
-    if (state_->device->dead()) return failed(make_error_code(errc::device_fatal));
+    if (const std::error_code f = state_->device->failure(); f) return failed(f);
     if (const std::error_code ec = error(); ec) return failed(ec);
     if (!state_->connected.load(std::memory_order_acquire)) {
       return failed(make_error_code(errc::not_connected));
@@ -1558,15 +1645,16 @@ class basic_queue_pair {
     if (std::optional<transfer> refused = refuse_early()) return refused;
     if (!reserve(1)) return std::nullopt;
     op_body* o = nullptr;
+    transfer tr;
     try {
       o = make_op(opcode == IBV_WR_RDMA_READ ? op_kind::read : op_kind::write, t);
+      fill(o, opcode, b);
+      o->wr.send_flags = IBV_SEND_SIGNALED;
+      tr = attach(o);
     } catch (...) {
-      state_->credits.fetch_add(1, std::memory_order_relaxed);
+      state_->credits.fetch_add(1, std::memory_order_relaxed);  // the slot is not used after all
       throw;
     }
-    fill(o, opcode, b);
-    o->wr.send_flags = IBV_SEND_SIGNALED;
-    transfer tr = attach(o);
     state_->device->publish(o);
     return tr;
   }

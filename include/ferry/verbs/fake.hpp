@@ -1033,6 +1033,7 @@ class fabric {
     std::lock_guard lock(mutex_);
     if (c->events_.empty()) return EAGAIN;
     out = c->events_.front();
+    if (out.qp != nullptr) out.qp_num = out.qp->num_;  // alive: destroying it drops its events
     c->events_.pop_front();
     unsignal(c->async_fd_, 1);
     return 0;

@@ -30,6 +30,9 @@ struct basic_async_event {
   QpHandle qp{};  // for queue pair events
   CqHandle cq{};  // for IBV_EVENT_CQ_ERR
   int port = 0;   // for port events
+  // The queue pair's number, read before the event was acknowledged: with the handle it names the
+  // queue pair even if a new one has since been created at the same address.
+  std::uint32_t qp_num = 0;
 };
 
 struct real_provider {
@@ -190,6 +193,7 @@ struct real_provider {
         break;
       default:
         out.qp = ev.element.qp;
+        out.qp_num = ev.element.qp->qp_num;
         break;
     }
     ::ibv_ack_async_event(&ev);
