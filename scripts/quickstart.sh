@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 mode=${1:-}
 # One set-up for both: everything either command uses. The tests add the second compiler, Catch2
 # and CMake (for the installed-package check).
-packages="g++ meson ninja-build pkg-config liburing-dev libibverbs-dev fio"
+packages="g++ meson ninja-build pkg-config liburing-dev libibverbs-dev libamdhip64-dev fio"
 case "$mode" in
   demo) ;;
   test) packages="$packages clang catch2 cmake" ;;

@@ -1,0 +1,168 @@
+// The GPU copy backend on a real GPU (HIP, or CUDA with FERRY_HIP_CUDA), each figure beside its
+// baseline in the same run:
+// - device-to-device bandwidth, 64 KiB to 256 MiB: ferry (copy, then wait on the transfer) against
+//   the raw runtime copy followed by a stream synchronize;
+// - completion → resume: how long after the copy's work is done its waiter runs. A probe event is
+//   recorded right behind the copy on the same stream and a spinning thread notes when it turns
+//   ready; the waiter notes when it wakes. ferry's waiter blocks in transfer::wait(); the baseline's
+//   blocks in the runtime's event synchronize.
+// Without a GPU it says so and exits 77.
+//
+// Usage: ferry_gpu_bench [--quick]
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ferry/ferry.hpp>
+#include <ferry/hip.hpp>
+
+namespace {
+
+namespace fh = ferry::hip;
+using rt = fh::gpu_runtime;
+using bench_clock = std::chrono::steady_clock;
+
+void require(int e, const char* what) {
+  if (e != rt::success) {
+    throw std::runtime_error(std::string(what) + ": " + fh::make_runtime_error<rt>(e).message());
+  }
+}
+
+double seconds_since(bench_clock::time_point t0) {
+  return std::chrono::duration<double>(bench_clock::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+double percentile(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<std::size_t>(q * static_cast<double>(v.size())))];
+}
+
+std::string size_name(std::size_t n) {
+  return n >= (1u << 20) ? std::to_string(n >> 20) + " MiB" : std::to_string(n >> 10) + " KiB";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  int devices = 0;
+  if (rt::device_count(devices) != rt::success || devices == 0) {
+    std::printf("SKIP: no GPU found by the %s runtime\n", rt::name());
+    return 77;
+  }
+  try {
+    ferry::progress_executor exec;
+    fh::copy_engine engine(exec);
+    typename rt::stream_handle raw_stream{};
+    require(rt::stream_create(raw_stream), "stream_create");
+    constexpr std::size_t largest = std::size_t{256} << 20;
+    void* a = nullptr;
+    void* b = nullptr;
+    require(rt::malloc_device(&a, largest), "malloc_device");
+    require(rt::malloc_device(&b, largest), "malloc_device");
+    require(rt::memset_device(a, 1, largest), "memset");
+    require(rt::device_synchronize(), "device_synchronize");
+
+    struct row {
+      std::size_t bytes;
+      double ferry_gbs;
+      double raw_gbs;
+    };
+    std::vector<row> rows;
+    for (std::size_t n = 64 << 10; n <= largest; n *= 4) {
+      const int iters = static_cast<int>(std::clamp<std::size_t>(((quick ? std::size_t{256} : std::size_t{2048}) << 20) / n, 8, 20000));
+      std::vector<double> f, r;
+      for (int round = 0; round < (quick ? 3 : 7); ++round) {
+        auto t0 = bench_clock::now();
+        for (int i = 0; i < iters; ++i) {
+          ferry::transfer t = engine.copy_on(0, b, a, n, fh::copy_kind::device_to_device);
+          if (t.wait() != ferry::transfer_state::success) throw std::runtime_error(t.error().message());
+        }
+        f.push_back(static_cast<double>(n) * iters / seconds_since(t0) / 1e9);
+        t0 = bench_clock::now();
+        for (int i = 0; i < iters; ++i) {
+          require(rt::memcpy_async(b, a, n, fh::copy_kind::device_to_device, raw_stream), "memcpy_async");
+          require(rt::stream_synchronize(raw_stream), "stream_synchronize");
+        }
+        r.push_back(static_cast<double>(n) * iters / seconds_since(t0) / 1e9);
+      }
+      rows.push_back({n, median(f), median(r)});
+    }
+
+    // Completion → resume.
+    const std::size_t lat_bytes = std::size_t{64} << 20;
+    const int samples = quick ? 200 : 2000;
+    typename rt::event_handle probe{}, done{};
+    require(rt::event_create(probe), "event_create");
+    require(rt::event_create(done), "event_create");
+    std::vector<double> ferry_us, sync_us;
+    for (int i = 0; i < samples; ++i) {
+      for (int side = 0; side < 2; ++side) {
+        std::atomic<std::int64_t> seen{0};
+        typename rt::stream_handle s = side == 0 ? engine.native_stream(0) : raw_stream;
+        ferry::transfer t;
+        if (side == 0) {
+          t = engine.copy_on(0, b, a, lat_bytes, fh::copy_kind::device_to_device);
+        } else {
+          require(rt::memcpy_async(b, a, lat_bytes, fh::copy_kind::device_to_device, s), "memcpy_async");
+          require(rt::event_record(done, s), "event_record");
+        }
+        require(rt::event_record(probe, s), "event_record(probe)");
+        std::thread spinner([&] {
+          while (rt::event_query(probe) == rt::not_ready) {
+          }
+          seen = bench_clock::now().time_since_epoch().count();
+        });
+        if (side == 0) {
+          if (t.wait() != ferry::transfer_state::success) throw std::runtime_error(t.error().message());
+        } else {
+          require(rt::event_synchronize(done), "event_synchronize");
+        }
+        const auto woke = bench_clock::now().time_since_epoch().count();
+        spinner.join();
+        (side == 0 ? ferry_us : sync_us).push_back(static_cast<double>(woke - seen.load()) / 1e3);
+      }
+    }
+    rt::event_destroy(probe);
+    rt::event_destroy(done);
+    rt::free_device(a);
+    rt::free_device(b);
+    rt::stream_destroy(raw_stream);
+
+    std::printf("\n## GPU copies (%s runtime, %d device(s))\n\n", rt::name(), devices);
+    std::printf("| device-to-device | ferry | copy + stream synchronize | ferry / raw |\n|---|---|---|---|\n");
+    bool bandwidth_met = true;
+    for (const row& r : rows) {
+      std::printf("| %s | %.1f GB/s | %.1f GB/s | %.3f |\n", size_name(r.bytes).c_str(), r.ferry_gbs,
+                  r.raw_gbs, r.ferry_gbs / r.raw_gbs);
+      if (r.bytes >= (std::size_t{1} << 20) && r.ferry_gbs < 0.95 * r.raw_gbs) bandwidth_met = false;
+    }
+    const double f50 = median(ferry_us), s50 = median(sync_us);
+    std::printf("\n| completion → resume (%s copy) | p50 | p99 |\n|---|---|---|\n", size_name(lat_bytes).c_str());
+    std::printf("| ferry: transfer::wait() | %.1f us | %.1f us |\n", f50, percentile(ferry_us, 0.99));
+    std::printf("| runtime event synchronize | %.1f us | %.1f us |\n", s50, percentile(sync_us, 0.99));
+    std::printf("\n| target | measured | |\n|---|---|---|\n");
+    std::printf("| bandwidth >= 95%% of raw at >= 1 MiB | see the ratios above | %s |\n",
+                bandwidth_met ? "met" : "MISSED");
+    std::printf("| completion noticed within 10 us of the event | p50 %.1f us | %s |\n", f50,
+                f50 <= 10.0 ? "met" : "MISSED");
+  } catch (const std::exception& ex) {
+    std::printf("FAIL: %s\n", ex.what());
+    return 1;
+  }
+  return 0;
+}

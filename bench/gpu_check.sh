@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Builds and runs ferry's GPU checks on this machine in one go: the GPU tests (tests/hip_gpu_test.cpp:
+# every copy kind byte-exact, 1000 copies in flight, a when_all over a layer, an invalid pointer) and
+# the GPU benchmark (bench/gpu_bench.cpp: device-to-device bandwidth against the raw runtime, and
+# completion → resume against a blocking event synchronize), then prints a short table last.
+#
+# Planned for an NVIDIA H200 with CUDA 13 and no network: it needs only a C++20 compiler (g++ 11+ or
+# clang++ 14+) and the CUDA toolkit's headers and libcudart (or, on AMD, the HIP runtime). No Meson,
+# no packages, no downloads.
+#
+#   bash bench/gpu_check.sh            # full benchmark
+#   bash bench/gpu_check.sh --quick    # fewer iterations
+#
+# CUDA_HOME (default: from nvcc, else /usr/local/cuda) and CXX may be set; FERRY_GPU_OUT names the
+# build directory (default: a temporary one).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+quick="${1:-}"
+out="${FERRY_GPU_OUT:-$(mktemp -d)}"
+mkdir -p "$out"
+
+pick_compiler() {
+  if [[ -n "${CXX:-}" ]]; then echo "$CXX"; return; fi
+  for c in g++-13 g++-12 g++-11 g++ clang++; do
+    if command -v "$c" >/dev/null 2>&1 &&
+       echo 'int main() { return 0; }' | "$c" -std=c++20 -x c++ - -o /dev/null >/dev/null 2>&1; then
+      echo "$c"; return
+    fi
+  done
+  echo "no C++20 compiler found (set CXX)" >&2
+  exit 1
+}
+cxx="$(pick_compiler)"
+
+if [[ -z "${CUDA_HOME:-}" ]] && command -v nvcc >/dev/null 2>&1; then
+  CUDA_HOME="$(dirname "$(dirname "$(command -v nvcc)")")"
+fi
+CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+if [[ -f "$CUDA_HOME/include/cuda_runtime_api.h" ]]; then
+  runtime="CUDA ($CUDA_HOME)"
+  libdir="$CUDA_HOME/lib64"
+  [[ -d "$libdir" ]] || libdir="$CUDA_HOME/targets/x86_64-linux/lib"
+  flags=(-DFERRY_HIP_CUDA -I"$CUDA_HOME/include" -L"$libdir" -Wl,-rpath,"$libdir" -lcudart)
+elif [[ -f /usr/include/hip/hip_runtime_api.h || -f /opt/rocm/include/hip/hip_runtime_api.h ]]; then
+  runtime="HIP"
+  flags=(-I/opt/rocm/include -L/opt/rocm/lib -Wl,-rpath,/opt/rocm/lib -lamdhip64)
+else
+  echo "neither the CUDA toolkit (cuda_runtime_api.h under $CUDA_HOME) nor the HIP runtime was found" >&2
+  exit 1
+fi
+
+echo "# ferry GPU check: $runtime, compiler $cxx ($("$cxx" -dumpversion)), build in $out"
+common=(-std=c++20 -O2 -pthread -Iinclude)
+"$cxx" "${common[@]}" tests/hip_gpu_test.cpp -o "$out/hip_gpu_test" "${flags[@]}"
+"$cxx" "${common[@]}" bench/gpu_bench.cpp -o "$out/gpu_bench" "${flags[@]}"
+
+gpu="unknown GPU"
+if command -v nvidia-smi >/dev/null 2>&1; then
+  gpu="$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n1)"
+fi
+
+set +e
+"$out/hip_gpu_test" | tee "$out/tests.log"
+test_rc=${PIPESTATUS[0]}
+"$out/gpu_bench" $quick | tee "$out/bench.log"
+bench_rc=${PIPESTATUS[0]}
+set -e
+
+verdict() { case "$1" in 0) echo passed ;; 77) echo skipped ;; *) echo "FAILED ($1)" ;; esac; }
+target() { grep -F "$1" "$out/bench.log" | awk -F'|' '{gsub(/^ +| +$/, "", $3); gsub(/^ +| +$/, "", $4); print $3 " — " $4}' | head -n1; }
+
+echo
+echo "## Summary ($gpu)"
+echo
+echo "| check | result |"
+echo "|---|---|"
+echo "| GPU tests | $(verdict "$test_rc") |"
+echo "| GPU benchmark | $(verdict "$bench_rc") |"
+echo "| bandwidth >= 95% of raw at >= 1 MiB | $(target 'bandwidth >= 95%') |"
+echo "| completion noticed within 10 us | $(target 'completion noticed') |"
+[[ "$test_rc" == 0 && "$bench_rc" == 0 ]]

@@ -1,0 +1,348 @@
+#pragma once
+// The GPU copy backend: device-to-device, peer, host-to-device and device-to-host copies as
+// transfers whose completion the progress executor detects. A template over the GPU runtime
+// (runtime.hpp: HIP; cuda_runtime.hpp: CUDA; fake.hpp: in process).
+//
+// Submission. copy() runs on the caller's thread: it takes an event from a pool (timing disabled),
+// enqueues the copy on one of a pool of non-blocking streams and records the event behind it, and
+// appends the pair to that stream's queue, all under the stream's lock, so the queue is in the
+// stream's own order. A runtime error at submission gives an already-failed transfer.
+//
+// Completion. Only the executor queries events: per stream, in submission order, the oldest first,
+// stopping at the first that is not ready (a stream completes in order, so the later ones cannot be
+// either). A ready event completes its transfer; an event that reports an error fails only its own
+// transfer, with a std::error_code naming the runtime error, so an error on one stream fails only
+// that stream's transfers. Events have no descriptor to sleep on: while copies are outstanding the
+// executor does not park (arm() says so), and so notices a finished copy within one round.
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include "ferry/detail/block_pool.hpp"
+#include "ferry/detail/status_block.hpp"
+#include "ferry/errors.hpp"
+#include "ferry/hip/copy_kind.hpp"
+#include "ferry/progress_executor.hpp"
+#include "ferry/transfer.hpp"
+
+namespace ferry::hip {
+
+namespace detail {
+
+// The runtime's error codes, named by the runtime itself ("hipErrorInvalidValue: invalid argument").
+template <class R>
+class runtime_category_impl final : public std::error_category {
+ public:
+  [[nodiscard]] const char* name() const noexcept override { return R::name(); }
+  [[nodiscard]] std::string message(int value) const override {
+    const char* n = R::error_name(value);
+    const char* s = R::error_string(value);
+    std::string text = n != nullptr ? n : "unknown runtime error " + std::to_string(value);
+    // Some runtimes' strings only repeat the name.
+    if (s != nullptr && (n == nullptr || std::string_view(s) != n)) text += std::string(": ") + s;
+    return text;
+  }
+};
+
+}  // namespace detail
+
+template <class R>
+[[nodiscard]] const std::error_category& runtime_category() noexcept {
+  static const detail::runtime_category_impl<R> category;
+  return category;
+}
+
+template <class R>
+[[nodiscard]] std::error_code make_runtime_error(int e) noexcept {
+  return {e, runtime_category<R>()};
+}
+
+struct copy_engine_options {
+  int device = 0;          // the GPU whose streams carry the copies
+  unsigned streams = 4;    // copies are spread over them round-robin, or placed with copy_on
+  unsigned events = 256;   // events made up front; more are made when they run out
+};
+
+struct copy_engine_counters {
+  std::uint64_t submitted = 0;
+  std::uint64_t completed = 0;
+  std::uint64_t failed = 0;
+  std::uint64_t event_queries = 0;
+};
+
+template <class R>
+class basic_copy_engine {
+ public:
+  using runtime = R;
+
+  basic_copy_engine(progress_executor& exec, copy_engine_options options = {})
+      : exec_(exec), options_(options) {
+    if (options_.streams == 0) {
+      throw std::invalid_argument("ferry::hip::copy_engine_options::streams must be at least 1");
+    }
+    check(R::set_device(options_.device), "set_device(" + std::to_string(options_.device) + ")");
+    lanes_ = std::make_unique<lane[]>(options_.streams);
+    try {
+      for (unsigned i = 0; i < options_.streams; ++i) {
+        check(R::stream_create(lanes_[i].stream), "stream_create");
+        lanes_[i].created = true;
+      }
+      for (unsigned i = 0; i < options_.events; ++i) free_events_.push_back(make_event());
+      exec_.add_source(*this);
+    } catch (...) {
+      destroy_runtime_objects();
+      throw;
+    }
+  }
+
+  basic_copy_engine(const basic_copy_engine&) = delete;
+  basic_copy_engine& operator=(const basic_copy_engine&) = delete;
+
+  // Waits for every copy still on the GPU (its memory may not be freed before), completes its
+  // transfer, and releases the streams and events.
+  ~basic_copy_engine() {
+    exec_.remove_source(*this);
+    for (unsigned i = 0; i < options_.streams; ++i) {
+      lane& l = lanes_[i];
+      R::stream_synchronize(l.stream);
+      take_submitted(l);
+      while (record_body* r = l.head) {
+        l.head = r->next;
+        const int e = R::event_query(r->event);
+        give_event(r->event);
+        outstanding_.fetch_sub(1, std::memory_order_relaxed);
+        finish(r, e);
+      }
+    }
+    destroy_runtime_objects();
+  }
+
+  // Copies `bytes` from `src` to `dst` on the next stream in turn.
+  [[nodiscard]] transfer copy(void* dst, const void* src, std::size_t bytes, copy_kind kind) {
+    const unsigned s = next_lane_.fetch_add(1, std::memory_order_relaxed) % options_.streams;
+    return copy_on(s, dst, src, bytes, kind);
+  }
+
+  // The same on stream `stream` (0 .. streams - 1): copies on one stream complete in order.
+  [[nodiscard]] transfer copy_on(unsigned stream, void* dst, const void* src, std::size_t bytes,
+                                 copy_kind kind) {
+    if (stream >= options_.streams) {
+      throw std::out_of_range("ferry::hip::copy_engine::copy_on: stream " + std::to_string(stream) +
+                              " of " + std::to_string(options_.streams));
+    }
+    if (bytes == 0) return make_completed_transfer(transfer_state::failed, errc::empty_buffer);
+    if (dst == nullptr || src == nullptr) {
+      return make_completed_transfer(transfer_state::failed,
+                                     std::make_error_code(std::errc::bad_address));
+    }
+    record* r = record::pool::acquire();
+    r->next = nullptr;
+    try {
+      r->event = take_event();
+    } catch (...) {
+      record::pool::release(r);
+      throw;
+    }
+    ferry::detail::status_block* s = nullptr;
+    try {
+      s = ferry::detail::status_block::make();
+    } catch (...) {
+      give_event(r->event);
+      record::pool::release(r);
+      throw;
+    }
+    r->status = s;
+    transfer t(ferry::detail::adopt, s);
+    lane& l = lanes_[stream];
+    {
+      std::lock_guard lock(l.mutex);
+      if (const int e = R::memcpy_async(dst, src, bytes, kind, l.stream); e != R::success) {
+        // Refused at submission: nothing was enqueued.
+        give_event(r->event);
+        finish(r, e);
+        return t;
+      }
+      if (const int e = R::event_record(r->event, l.stream); e != R::success) {
+        // The copy is enqueued but cannot be watched: wait for it here, so that its memory is
+        // never released while the GPU may still write it.
+        R::stream_synchronize(l.stream);
+        give_event(r->event);
+        finish(r, e);
+        return t;
+      }
+      (l.submitted_tail == nullptr ? l.submitted_head : l.submitted_tail->next) = r;
+      l.submitted_tail = r;
+      // Release pairs with the acquire load in poll(): the record travels with it.
+      l.has_submitted.store(true, std::memory_order_release);
+    }
+    outstanding_.fetch_add(1, std::memory_order_release);
+    submitted_.fetch_add(1, std::memory_order_relaxed);
+    exec_.notify();
+    return t;
+  }
+
+  [[nodiscard]] unsigned streams() const noexcept { return options_.streams; }
+  [[nodiscard]] typename R::stream_handle native_stream(unsigned i) const noexcept {
+    return lanes_[i].stream;
+  }
+  [[nodiscard]] std::int64_t outstanding() const noexcept {
+    return outstanding_.load(std::memory_order_acquire);
+  }
+
+  [[nodiscard]] copy_engine_counters counters() const noexcept {
+    copy_engine_counters c;
+    c.submitted = submitted_.load(std::memory_order_relaxed);
+    c.completed = completed_.load(std::memory_order_relaxed);
+    c.failed = failed_.load(std::memory_order_relaxed);
+    c.event_queries = queries_.load(std::memory_order_relaxed);
+    return c;
+  }
+
+  // --- The executor's side. ---
+
+  std::size_t poll(std::size_t budget) noexcept {
+    if (outstanding_.load(std::memory_order_acquire) == 0) return 0;
+    std::size_t handled = 0;
+    std::uint64_t queries = 0;
+    for (unsigned i = 0; i < options_.streams && handled < budget; ++i) {
+      lane& l = lanes_[i];
+      if (l.has_submitted.load(std::memory_order_acquire)) take_submitted(l);
+      while (l.head != nullptr && handled < budget) {
+        ++queries;
+        const int e = R::event_query(l.head->event);
+        if (e == R::not_ready) break;  // later copies on this stream cannot be done either
+        record_body* r = l.head;
+        l.head = r->next;
+        if (l.head == nullptr) l.tail = nullptr;
+        give_event(r->event);
+        outstanding_.fetch_sub(1, std::memory_order_relaxed);
+        finish(r, e);
+        ++handled;
+      }
+    }
+    queries_.fetch_add(queries, std::memory_order_relaxed);
+    return handled;
+  }
+
+  // Events cannot wake a sleeping thread: while copies are outstanding the executor keeps looking.
+  [[nodiscard]] bool arm() noexcept { return outstanding_.load(std::memory_order_acquire) == 0; }
+
+ private:
+  struct record_body {
+    typename R::event_handle event{};
+    ferry::detail::status_block* status = nullptr;  // the completer reference
+    record_body* next = nullptr;
+  };
+  struct record : record_body {
+    record* pool_next_ = nullptr;
+    static constexpr std::size_t poisonable_bytes = sizeof(record_body);
+    using pool = ferry::detail::block_pool<record>;
+  };
+
+  struct lane {
+    typename R::stream_handle stream{};
+    bool created = false;
+    std::mutex mutex;  // orders enqueue, record and append with the stream's own order
+    record_body* submitted_head = nullptr;  // guarded by mutex
+    record_body* submitted_tail = nullptr;
+    std::atomic<bool> has_submitted{false};
+    record_body* head = nullptr;  // the executor's, oldest first
+    record_body* tail = nullptr;
+  };
+
+  static void check(int e, const std::string& what) {
+    if (e != R::success) {
+      throw std::system_error(make_runtime_error<R>(e), std::string("ferry::hip: ") + what);
+    }
+  }
+
+  typename R::event_handle make_event() {
+    typename R::event_handle e{};
+    check(R::event_create(e), "event_create");
+    return e;
+  }
+
+  typename R::event_handle take_event() {
+    {
+      std::lock_guard lock(events_mutex_);
+      if (!free_events_.empty()) {
+        const typename R::event_handle e = free_events_.back();
+        free_events_.pop_back();
+        return e;
+      }
+    }
+    return make_event();
+  }
+
+  void give_event(typename R::event_handle e) noexcept {
+    std::lock_guard lock(events_mutex_);
+    try {
+      free_events_.push_back(e);
+    } catch (...) {
+      R::event_destroy(e);  // no room to keep it: it is not needed
+    }
+  }
+
+  // Moves what submitters appended onto the executor's own queue, in order.
+  void take_submitted(lane& l) noexcept {
+    record_body* first = nullptr;
+    record_body* last = nullptr;
+    {
+      std::lock_guard lock(l.mutex);
+      first = std::exchange(l.submitted_head, nullptr);
+      last = std::exchange(l.submitted_tail, nullptr);
+      l.has_submitted.store(false, std::memory_order_relaxed);
+    }
+    if (first == nullptr) return;
+    (l.tail == nullptr ? l.head : l.tail->next) = first;
+    l.tail = last;
+  }
+
+  // Ends one copy (its event already back in the pool): the transfer completes.
+  void finish(record_body* r, int e) noexcept {
+    ferry::detail::status_block* s = r->status;
+    if (e == R::success) {
+      completed_.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      failed_.fetch_add(1, std::memory_order_relaxed);
+    }
+    record::pool::release(static_cast<record*>(r));
+    s->complete(e == R::success ? transfer_state::success : transfer_state::failed,
+                e == R::success ? std::error_code{} : make_runtime_error<R>(e));
+    s->release_completer_ref();
+  }
+
+  void destroy_runtime_objects() noexcept {
+    for (const typename R::event_handle e : free_events_) R::event_destroy(e);
+    free_events_.clear();
+    if (lanes_ == nullptr) return;
+    for (unsigned i = 0; i < options_.streams; ++i) {
+      if (lanes_[i].created) R::stream_destroy(lanes_[i].stream);
+    }
+  }
+
+  progress_executor& exec_;
+  copy_engine_options options_;
+  std::unique_ptr<lane[]> lanes_;
+  std::mutex events_mutex_;
+  std::vector<typename R::event_handle> free_events_;
+  alignas(64) std::atomic<unsigned> next_lane_{0};
+  alignas(64) std::atomic<std::int64_t> outstanding_{0};
+  std::atomic<std::uint64_t> submitted_{0};
+  std::atomic<std::uint64_t> completed_{0};
+  std::atomic<std::uint64_t> failed_{0};
+  std::atomic<std::uint64_t> queries_{0};
+};
+
+}  // namespace ferry::hip
