@@ -3,8 +3,8 @@
 // - device-to-device bandwidth, 64 KiB to 256 MiB: ferry (copy, then wait on the transfer) against
 //   the raw runtime copy followed by a stream synchronize;
 // - completion → resume: how long after the copy's work is done its waiter runs. A probe event is
-//   recorded right behind the copy on the same stream and a spinning thread notes when it turns
-//   ready; the waiter notes when it wakes. ferry's waiter blocks in transfer::wait(); the baseline's
+//   recorded right behind the copy on the same stream and a thread spinning on it (started once,
+//   before any copy) notes when it turns ready; the waiter notes when it wakes. ferry's waiter blocks in transfer::wait(); the baseline's
 //   blocks in the runtime's event synchronize.
 // Without a GPU it says so and exits 77.
 //
@@ -110,9 +110,36 @@ int main(int argc, char** argv) {
     require(rt::event_create(probe), "event_create");
     require(rt::event_create(done), "event_create");
     std::vector<double> ferry_us, sync_us;
+    // The spinner is started once, before any copy, so that its own start-up is never measured:
+    // for each sample it is handed the generation of a recorded probe, spins until the probe is
+    // ready and notes when.
+    std::atomic<std::uint64_t> probe_generation{0};
+    std::atomic<std::uint64_t> seen_generation{0};
+    std::atomic<std::int64_t> seen_at{0};
+    std::atomic<bool> stop{false};
+    std::thread spinner([&] {
+      std::uint64_t done_with = 0;
+      while (!stop.load(std::memory_order_acquire)) {
+        const std::uint64_t g = probe_generation.load(std::memory_order_acquire);
+        if (g == done_with) continue;
+        while (rt::event_query(probe) == rt::not_ready) {
+        }
+        seen_at.store(bench_clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+        seen_generation.store(g, std::memory_order_release);
+        done_with = g;
+      }
+    });
+    struct stop_spinner {
+      std::atomic<bool>& stop;
+      std::thread& t;
+      ~stop_spinner() {
+        stop.store(true, std::memory_order_release);
+        t.join();
+      }
+    } stopper{stop, spinner};
+    std::uint64_t generation = 0;
     for (int i = 0; i < samples; ++i) {
       for (int side = 0; side < 2; ++side) {
-        std::atomic<std::int64_t> seen{0};
         typename rt::stream_handle s = side == 0 ? engine.native_stream(0) : raw_stream;
         ferry::transfer t;
         if (side == 0) {
@@ -122,19 +149,16 @@ int main(int argc, char** argv) {
           require(rt::event_record(done, s), "event_record");
         }
         require(rt::event_record(probe, s), "event_record(probe)");
-        std::thread spinner([&] {
-          while (rt::event_query(probe) == rt::not_ready) {
-          }
-          seen = bench_clock::now().time_since_epoch().count();
-        });
+        probe_generation.store(++generation, std::memory_order_release);
         if (side == 0) {
           if (t.wait() != ferry::transfer_state::success) throw std::runtime_error(t.error().message());
         } else {
           require(rt::event_synchronize(done), "event_synchronize");
         }
         const auto woke = bench_clock::now().time_since_epoch().count();
-        spinner.join();
-        (side == 0 ? ferry_us : sync_us).push_back(static_cast<double>(woke - seen.load()) / 1e3);
+        while (seen_generation.load(std::memory_order_acquire) != generation) {
+        }
+        (side == 0 ? ferry_us : sync_us).push_back(static_cast<double>(woke - seen_at.load()) / 1e3);
       }
     }
     rt::event_destroy(probe);

@@ -21,9 +21,15 @@ mkdir -p "$out"
 
 pick_compiler() {
   if [[ -n "${CXX:-}" ]]; then echo "$CXX"; return; fi
-  for c in g++-13 g++-12 g++-11 g++ clang++; do
+  # What ferry needs of the compiler: C++20 coroutines, concepts and <span>.
+  local probe='#include <coroutine>
+#include <concepts>
+#include <span>
+template <std::integral T> int f(std::span<T> s) { return static_cast<int>(s.size()); }
+int main() { int a[1]{}; std::coroutine_handle<> h; (void)h; return f(std::span<int>(a)) - 1; }'
+  for c in g++-14 g++-13 g++-12 g++-11 g++ clang++; do
     if command -v "$c" >/dev/null 2>&1 &&
-       echo 'int main() { return 0; }' | "$c" -std=c++20 -x c++ - -o /dev/null >/dev/null 2>&1; then
+       echo "$probe" | "$c" -std=c++20 -x c++ - -o /dev/null >/dev/null 2>&1; then
       echo "$c"; return
     fi
   done
@@ -39,7 +45,7 @@ CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
 if [[ -f "$CUDA_HOME/include/cuda_runtime_api.h" ]]; then
   runtime="CUDA ($CUDA_HOME)"
   libdir="$CUDA_HOME/lib64"
-  [[ -d "$libdir" ]] || libdir="$CUDA_HOME/targets/x86_64-linux/lib"
+  [[ -d "$libdir" ]] || libdir="$CUDA_HOME/targets/$(uname -m | sed 's/aarch64/sbsa/')-linux/lib"
   flags=(-DFERRY_HIP_CUDA -I"$CUDA_HOME/include" -L"$libdir" -Wl,-rpath,"$libdir" -lcudart)
 elif [[ -f /usr/include/hip/hip_runtime_api.h || -f /opt/rocm/include/hip/hip_runtime_api.h ]]; then
   runtime="HIP"
@@ -56,7 +62,8 @@ common=(-std=c++20 -O2 -pthread -Iinclude)
 
 gpu="unknown GPU"
 if command -v nvidia-smi >/dev/null 2>&1; then
-  gpu="$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n1)"
+  gpu="$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | sed -n 1p || true)"
+  [[ -n "$gpu" ]] || gpu="unknown GPU"
 fi
 
 set +e
@@ -67,7 +74,11 @@ bench_rc=${PIPESTATUS[0]}
 set -e
 
 verdict() { case "$1" in 0) echo passed ;; 77) echo skipped ;; *) echo "FAILED ($1)" ;; esac; }
-target() { grep -F "$1" "$out/bench.log" | awk -F'|' '{gsub(/^ +| +$/, "", $3); gsub(/^ +| +$/, "", $4); print $3 " — " $4}' | head -n1; }
+target() {
+  local line
+  line="$(grep -F "$1" "$out/bench.log" | awk -F'|' '{gsub(/^ +| +$/, "", $3); gsub(/^ +| +$/, "", $4); print $3 " — " $4}' | sed -n 1p)"
+  echo "${line:-not measured}"
+}
 
 echo
 echo "## Summary ($gpu)"

@@ -7,6 +7,7 @@
 // the sources' descriptors. A submitter that queued work calls notify(), which costs one fence and one
 // load unless the thread has announced sleep; only then does it write the eventfd.
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -73,6 +74,13 @@ concept parkable_source = completion_source<S> && requires(S& s) {
 template <class S>
 concept armable_source = requires(S& s) {
   { s.arm() } -> std::convertible_to<bool>;
+};
+
+// A source whose completions nothing can signal (GPU events): while busy() it has work out that
+// only polling will find, and the executor does not park.
+template <class S>
+concept busy_source = requires(const S& s) {
+  { s.busy() } -> std::convertible_to<bool>;
 };
 
 class progress_executor {
@@ -145,6 +153,9 @@ class progress_executor {
     };
     if constexpr (armable_source<S>) {
       e.arm = [](void* o) -> bool { return static_cast<S*>(o)->arm(); };
+    }
+    if constexpr (busy_source<S>) {
+      e.busy = [](const void* o) -> bool { return static_cast<const S*>(o)->busy(); };
     }
     if constexpr (parkable_source<S>) e.fd = static_cast<int>(source.park_fd());
     if (e.fd >= 0) {
@@ -240,6 +251,7 @@ class progress_executor {
     void* object = nullptr;
     std::size_t (*poll)(void*, std::size_t) = nullptr;
     bool (*arm)(void*) = nullptr;
+    bool (*busy)(const void*) = nullptr;
     int fd = -1;
   };
 
@@ -300,6 +312,12 @@ class progress_executor {
         detail::cpu_relax();
         continue;
       }
+      if (any_busy()) {
+        // Work is out that only polling finds: keep looking (and never announce sleep, so that
+        // submitters need not wake us).
+        detail::cpu_relax();
+        continue;
+      }
       if (options_.mode == progress_mode::adaptive) {
         const auto now = detail::clock::now();
         if (!idle) {
@@ -325,6 +343,28 @@ class progress_executor {
     std::size_t handled = 0;
     for (const source_entry& e : round_sources_) handled += e.poll(e.object, options_.poll_budget);
     return handled;
+  }
+
+  // epoll_pwait2 (glibc 2.35, Linux 5.11) sleeps to the nanosecond; before it, epoll_wait's
+  // milliseconds, rounded up so that a timer never fires early.
+  int wait_events(epoll_event* events, const timespec* timeout) noexcept {
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 35))
+    return ::epoll_pwait2(epoll_fd_, events, 8, timeout, nullptr);
+#else
+    int ms = -1;
+    if (timeout != nullptr) {
+      const std::int64_t ns = std::int64_t{timeout->tv_sec} * 1'000'000'000 + timeout->tv_nsec;
+      ms = static_cast<int>(std::min<std::int64_t>((ns + 999'999) / 1'000'000, 1 << 30));
+    }
+    return ::epoll_wait(epoll_fd_, events, 8, ms);
+#endif
+  }
+
+  [[nodiscard]] bool any_busy() const noexcept {
+    for (const source_entry& e : round_sources_) {
+      if (e.busy != nullptr && e.busy(e.object)) return true;
+    }
+    return false;
   }
 
   std::size_t fire_timers() noexcept {
@@ -360,7 +400,7 @@ class progress_executor {
     }
     parks_.fetch_add(1, std::memory_order_relaxed);
     epoll_event events[8];
-    const int n = ::epoll_pwait2(epoll_fd_, events, 8, tsp, nullptr);
+    const int n = wait_events(events, tsp);
     parked_.store(false, std::memory_order_relaxed);
     for (int i = 0; i < n; ++i) {
       if (events[i].data.u64 == wake_tag) {

@@ -10,10 +10,16 @@
 //
 // Completion. Only the executor queries events: per stream, in submission order, the oldest first,
 // stopping at the first that is not ready (a stream completes in order, so the later ones cannot be
-// either). A ready event completes its transfer; an event that reports an error fails only its own
-// transfer, with a std::error_code naming the runtime error, so an error on one stream fails only
-// that stream's transfers. Events have no descriptor to sleep on: while copies are outstanding the
-// executor does not park (arm() says so), and so notices a finished copy within one round.
+// either), and starting each round at the next stream, so that a busy stream never starves the
+// others. A ready event completes its transfer; an event that reports an error fails its transfer
+// with a std::error_code naming the runtime error, and the engine goes on with the other copies. (On
+// a real GPU an asynchronous fault is sticky: the whole context fails, so every later query reports
+// it too.) Events have no descriptor to sleep on: while copies are outstanding the engine is busy()
+// and the executor does not park, so it notices a finished copy within one round.
+//
+// Devices. The current device is per thread in both runtimes, and events belong to the device
+// current when they are made: the engine makes its streams and events, and queries them, with its
+// own device current, and gives every thread back the device it had.
 
 #include <atomic>
 #include <cstddef>
@@ -74,12 +80,37 @@ struct copy_engine_options {
   unsigned events = 256;   // events made up front; more are made when they run out
 };
 
+// submitted == completed + failed + outstanding.
 struct copy_engine_counters {
   std::uint64_t submitted = 0;
   std::uint64_t completed = 0;
-  std::uint64_t failed = 0;
+  std::uint64_t failed = 0;  // refused at submission, or failed on the GPU
   std::uint64_t event_queries = 0;
 };
+
+namespace detail {
+
+// Makes `device` current on this thread for the scope, and gives the thread its own back after.
+template <class R>
+class device_scope {
+ public:
+  explicit device_scope(int device) noexcept {
+    if (R::get_device(saved_) == R::success && saved_ != device) {
+      switched_ = R::set_device(device) == R::success;
+    }
+  }
+  ~device_scope() {
+    if (switched_) R::set_device(saved_);
+  }
+  device_scope(const device_scope&) = delete;
+  device_scope& operator=(const device_scope&) = delete;
+
+ private:
+  int saved_ = 0;
+  bool switched_ = false;
+};
+
+}  // namespace detail
 
 template <class R>
 class basic_copy_engine {
@@ -91,7 +122,12 @@ class basic_copy_engine {
     if (options_.streams == 0) {
       throw std::invalid_argument("ferry::hip::copy_engine_options::streams must be at least 1");
     }
-    check(R::set_device(options_.device), "set_device(" + std::to_string(options_.device) + ")");
+    int devices = 0;
+    check(R::device_count(devices), "device_count");
+    if (options_.device < 0 || options_.device >= devices) {
+      check(R::set_device(options_.device), "set_device(" + std::to_string(options_.device) + ")");
+    }
+    const detail::device_scope<R> on(options_.device);
     lanes_ = std::make_unique<lane[]>(options_.streams);
     try {
       for (unsigned i = 0; i < options_.streams; ++i) {
@@ -112,7 +148,10 @@ class basic_copy_engine {
   // Waits for every copy still on the GPU (its memory may not be freed before), completes its
   // transfer, and releases the streams and events.
   ~basic_copy_engine() {
+    // A continuation resumed below may submit again: that is refused from here on.
+    shutting_down_.store(true, std::memory_order_relaxed);
     exec_.remove_source(*this);
+    const detail::device_scope<R> on(options_.device);
     for (unsigned i = 0; i < options_.streams; ++i) {
       lane& l = lanes_[i];
       R::stream_synchronize(l.stream);
@@ -141,6 +180,9 @@ class basic_copy_engine {
       throw std::out_of_range("ferry::hip::copy_engine::copy_on: stream " + std::to_string(stream) +
                               " of " + std::to_string(options_.streams));
     }
+    if (shutting_down_.load(std::memory_order_relaxed)) {
+      return make_completed_transfer(transfer_state::failed, errc::backend_shut_down);
+    }
     if (bytes == 0) return make_completed_transfer(transfer_state::failed, errc::empty_buffer);
     if (dst == nullptr || src == nullptr) {
       return make_completed_transfer(transfer_state::failed,
@@ -164,6 +206,7 @@ class basic_copy_engine {
     }
     r->status = s;
     transfer t(ferry::detail::adopt, s);
+    submitted_.fetch_add(1, std::memory_order_relaxed);
     lane& l = lanes_[stream];
     {
       std::lock_guard lock(l.mutex);
@@ -181,13 +224,13 @@ class basic_copy_engine {
         finish(r, e);
         return t;
       }
+      // Counted before it is visible, so that the executor never takes it first.
+      outstanding_.fetch_add(1, std::memory_order_relaxed);
       (l.submitted_tail == nullptr ? l.submitted_head : l.submitted_tail->next) = r;
       l.submitted_tail = r;
       // Release pairs with the acquire load in poll(): the record travels with it.
       l.has_submitted.store(true, std::memory_order_release);
     }
-    outstanding_.fetch_add(1, std::memory_order_release);
-    submitted_.fetch_add(1, std::memory_order_relaxed);
     exec_.notify();
     return t;
   }
@@ -213,10 +256,13 @@ class basic_copy_engine {
 
   std::size_t poll(std::size_t budget) noexcept {
     if (outstanding_.load(std::memory_order_acquire) == 0) return 0;
+    const detail::device_scope<R> on(options_.device);
     std::size_t handled = 0;
     std::uint64_t queries = 0;
-    for (unsigned i = 0; i < options_.streams && handled < budget; ++i) {
-      lane& l = lanes_[i];
+    const unsigned first = first_lane_;
+    first_lane_ = (first_lane_ + 1) % options_.streams;
+    for (unsigned k = 0; k < options_.streams && handled < budget; ++k) {
+      lane& l = lanes_[(first + k) % options_.streams];
       if (l.has_submitted.load(std::memory_order_acquire)) take_submitted(l);
       while (l.head != nullptr && handled < budget) {
         ++queries;
@@ -236,7 +282,9 @@ class basic_copy_engine {
   }
 
   // Events cannot wake a sleeping thread: while copies are outstanding the executor keeps looking.
-  [[nodiscard]] bool arm() noexcept { return outstanding_.load(std::memory_order_acquire) == 0; }
+  [[nodiscard]] bool busy() const noexcept {
+    return outstanding_.load(std::memory_order_acquire) != 0;
+  }
 
  private:
   struct record_body {
@@ -268,6 +316,7 @@ class basic_copy_engine {
   }
 
   typename R::event_handle make_event() {
+    const detail::device_scope<R> on(options_.device);  // the event must belong to our streams' device
     typename R::event_handle e{};
     check(R::event_create(e), "event_create");
     return e;
@@ -335,6 +384,8 @@ class basic_copy_engine {
   progress_executor& exec_;
   copy_engine_options options_;
   std::unique_ptr<lane[]> lanes_;
+  unsigned first_lane_ = 0;  // the executor's: where the next poll starts
+  std::atomic<bool> shutting_down_{false};
   std::mutex events_mutex_;
   std::vector<typename R::event_handle> free_events_;
   alignas(64) std::atomic<unsigned> next_lane_{0};

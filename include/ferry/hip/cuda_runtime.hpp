@@ -27,6 +27,7 @@ struct cuda_runtime {
   }
 
   static int device_count(int& n) noexcept { return ::cudaGetDeviceCount(&n); }
+  static int get_device(int& d) noexcept { return ::cudaGetDevice(&d); }
   static int set_device(int d) noexcept { return ::cudaSetDevice(d); }
   static int enable_peer_access(int peer) noexcept { return ::cudaDeviceEnablePeerAccess(peer, 0); }
 

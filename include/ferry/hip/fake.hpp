@@ -2,7 +2,9 @@
 // An in-process fake of the GPU runtime calls the copy backend makes (runtime.hpp's interface), for
 // testing the backend's event polling without a GPU.
 //
-// What it models: streams that run their copies one after another, each taking a configurable
+// What it models: a current device per thread (a new thread starts on device 0), and streams and
+// events that belong to the device current when they were made, an event recorded on another
+// device's stream failing as CUDA's and HIP's do; streams that run their copies one after another, each taking a configurable
 // time after the one before it; a copy's bytes move (memcpy) when it finishes, not when it is
 // enqueued; events recorded on a stream become ready when everything enqueued before them has
 // finished, and until then a query answers not_ready; an error injected on a stream makes its next
@@ -28,10 +30,14 @@ inline constexpr int success = 0;
 inline constexpr int error_invalid_value = 1;
 inline constexpr int error_launch_failure = 719;
 inline constexpr int error_not_ready = 600;
+inline constexpr int error_invalid_resource_handle = 400;
+
+inline thread_local int current_device = 0;
 
 struct stream;
 
 struct event {
+  int device = 0;
   stream* on = nullptr;
   std::uint64_t after = 0;  // ready once this many of the stream's copies have finished
   bool recorded = false;
@@ -46,6 +52,7 @@ struct copy_op {
 };
 
 struct stream {
+  int device = 0;
   std::deque<copy_op> queue;     // enqueued, not finished
   std::uint64_t enqueued = 0;
   std::uint64_t finished = 0;
@@ -131,6 +138,7 @@ struct runtime {
       case error_invalid_value: return "fakeErrorInvalidValue";
       case error_launch_failure: return "fakeErrorLaunchFailure";
       case error_not_ready: return "fakeErrorNotReady";
+      case error_invalid_resource_handle: return "fakeErrorInvalidResourceHandle";
       default: return nullptr;
     }
   }
@@ -140,6 +148,7 @@ struct runtime {
       case error_invalid_value: return "invalid argument";
       case error_launch_failure: return "unspecified launch failure";
       case error_not_ready: return "device not ready";
+      case error_invalid_resource_handle: return "invalid resource handle";
       default: return nullptr;
     }
   }
@@ -150,10 +159,16 @@ struct runtime {
     n = c.devices_;
     return success;
   }
+  static int get_device(int& d) noexcept {
+    d = current_device;
+    return success;
+  }
   static int set_device(int d) noexcept {
     int n = 0;
     device_count(n);
-    return d >= 0 && d < n ? success : error_invalid_value;
+    if (d < 0 || d >= n) return error_invalid_value;
+    current_device = d;
+    return success;
   }
   static int enable_peer_access(int) noexcept { return success; }
 
@@ -162,6 +177,7 @@ struct runtime {
     std::lock_guard lock(c.mutex_);
     c.streams_.push_back(std::make_unique<stream>());
     s = c.streams_.back().get();
+    s->device = current_device;
     return success;
   }
   static int stream_destroy(stream_handle s) noexcept {
@@ -188,6 +204,7 @@ struct runtime {
     std::lock_guard lock(c.mutex_);
     c.events_.push_back(std::make_unique<event>());
     e = c.events_.back().get();
+    e->device = current_device;
     return success;
   }
   static int event_destroy(event_handle e) noexcept {
@@ -199,6 +216,7 @@ struct runtime {
   static int event_record(event_handle e, stream_handle s) noexcept {
     control& c = control::instance();
     std::lock_guard lock(c.mutex_);
+    if (e->device != s->device) return error_invalid_resource_handle;
     e->on = s;
     e->after = s->enqueued;
     e->recorded = true;

@@ -33,6 +33,8 @@ struct hip_runtime {
   }
 
   static int device_count(int& n) noexcept { return ::hipGetDeviceCount(&n); }
+  // The current device is per thread.
+  static int get_device(int& d) noexcept { return ::hipGetDevice(&d); }
   static int set_device(int d) noexcept { return ::hipSetDevice(d); }
   static int enable_peer_access(int peer) noexcept { return ::hipDeviceEnablePeerAccess(peer, 0); }
 
