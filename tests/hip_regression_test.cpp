@@ -17,25 +17,12 @@
 #include <ferry/hip/fake.hpp>
 
 #include "helpers.hpp"
+#include "hip_helpers.hpp"
 
 namespace {
 
 using namespace std::chrono_literals;
-namespace fh = ferry::hip;
-using engine = fh::basic_copy_engine<fh::fake::runtime>;
-using ferry::transfer;
-using ferry::transfer_state;
-using ferry_test::hang_bound;
-
-struct copy_time_guard {
-  explicit copy_time_guard(std::chrono::nanoseconds t) { fh::fake::control::instance().set_copy_time(t); }
-  ~copy_time_guard() { fh::fake::control::instance().set_copy_time(20us); }
-};
-
-struct devices_guard {
-  explicit devices_guard(int n) { fh::fake::control::instance().set_devices(n); }
-  ~devices_guard() { fh::fake::control::instance().set_devices(1); }
-};
+using namespace ferry_test::hip;
 
 // A completion source that, when armed, holds the executor inside its poll() until the test lets
 // it go: a way to line up "everything is ready before the executor's next round".
@@ -89,7 +76,7 @@ ferry_test::detached_inline submit_after(transfer t, engine* e, transfer* out, s
 // from any thread.
 TEST_CASE("hip: an engine on device 1 makes its events there, whichever thread needs one",
           "[hip]") {
-  devices_guard two(2);
+  device_count two(2);
   ferry::progress_executor exec;
   fh::copy_engine_options o;
   o.device = 1;
@@ -116,7 +103,7 @@ TEST_CASE("hip: an engine on device 1 makes its events there, whichever thread n
 // switched, so the caller's next plain runtime call (malloc, kernel launch) goes to another GPU.
 TEST_CASE("hip: constructing an engine on device 1 leaves the caller's current device alone",
           "[hip]") {
-  devices_guard two(2);
+  device_count two(2);
   ferry::progress_executor exec;
   fh::fake::current_device = 0;
   fh::copy_engine_options o;
@@ -130,7 +117,7 @@ TEST_CASE("hip: constructing an engine on device 1 leaves the caller's current d
 // while lane 0 has a budget's worth of finished copies each round, lane 1 is never looked at: its
 // finished copy stays pending.
 TEST_CASE("hip: a busy stream 0 does not starve a finished copy on stream 1", "[hip]") {
-  copy_time_guard instant(0ns);
+  copy_time instant(0ns);
   ferry::executor_options eo;
   eo.poll_budget = 256;
   eo.mode = ferry::progress_mode::busy;
@@ -170,7 +157,7 @@ TEST_CASE("hip: a busy stream 0 does not starve a finished copy on stream 1", "[
 // Was (counters): park() counts every source whose arm() says "don't sleep" as a completion. The
 // copy engine's arm() says so whenever a copy is out, so one slow copy in park mode reports many.
 TEST_CASE("hip: one slow copy counts as one executor completion", "[hip]") {
-  copy_time_guard slow(30ms);
+  copy_time slow(30ms);
   ferry::executor_options eo;
   eo.mode = ferry::progress_mode::park;
   ferry::progress_executor exec(eo);
@@ -230,7 +217,7 @@ TEST_CASE("hip: counters add up after a refused copy", "[hip]") {
 // never completed, not even as abandoned, and its stream is destroyed under it.
 TEST_CASE("hip: a copy submitted from a continuation the destructor resumes is refused, not lost",
           "[hip]") {
-  copy_time_guard slow(5ms);
+  copy_time slow(5ms);
   ferry::progress_executor exec;
   ferry_test::engine_thread loop;
   std::vector<std::byte> a(16), b(16, std::byte{4});
@@ -254,7 +241,7 @@ TEST_CASE("hip: a copy submitted from a continuation the destructor resumes is r
 // Guard: a copy submitted while the executor parks is noticed; no lost wake-up under a
 // park-mode executor with instant copies from several threads.
 TEST_CASE("hip: a park-mode executor never loses a submitted copy", "[hip][concurrency]") {
-  copy_time_guard instant(0ns);
+  copy_time instant(0ns);
   ferry::executor_options eo;
   eo.mode = ferry::progress_mode::park;
   ferry::progress_executor exec(eo);

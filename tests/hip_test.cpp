@@ -16,21 +16,12 @@
 #include <ferry/hip/fake.hpp>
 
 #include "helpers.hpp"
+#include "hip_helpers.hpp"
 
 namespace {
 
 using namespace std::chrono_literals;
-namespace fh = ferry::hip;
-using engine = fh::basic_copy_engine<fh::fake::runtime>;
-using ferry::transfer;
-using ferry::transfer_state;
-using ferry_test::hang_bound;
-
-// Sets the fake's copy time for a scope.
-struct copy_time {
-  explicit copy_time(std::chrono::nanoseconds t) { fh::fake::control::instance().set_copy_time(t); }
-  ~copy_time() { fh::fake::control::instance().set_copy_time(20us); }
-};
+using namespace ferry_test::hip;
 
 std::vector<std::byte> pattern(std::size_t n, int seed) {
   std::vector<std::byte> v(n);

@@ -45,6 +45,7 @@
 
 #include "ferry/detail/block_pool.hpp"
 #include "ferry/detail/status_block.hpp"
+#include "ferry/detail/submission_stack.hpp"
 #include "ferry/errors.hpp"
 #include "ferry/progress_executor.hpp"
 #include "ferry/transfer.hpp"
@@ -313,7 +314,7 @@ class ring {
       take_incoming();
       fail_backlogs();
       if (in_flight_.empty() && cancels_in_flight_ == 0 &&
-          incoming_.load(std::memory_order_acquire) == nullptr) {
+          incoming_.empty()) {
         break;
       }
       // One cancel per operation, as CQ room allows (every kernel has these; CANCEL_ANY is 5.19+).
@@ -468,7 +469,7 @@ class ring {
 
   // The executor's side: a completion source whose descriptor is readable when CQEs wait.
   std::size_t poll(std::size_t budget) noexcept {
-    if (incoming_.load(std::memory_order_relaxed) != nullptr) take_incoming();
+    if (!incoming_.empty()) take_incoming();
     pump();
     flush();
     const std::size_t handled = reap(budget);
@@ -581,32 +582,14 @@ class ring {
   // Publishes a chain linked newest → oldest through op::next. The caller prepared everything: after
   // the CAS the executor owns the ops.
   void publish(op* newest, op* oldest) noexcept {
-    op* head = incoming_.load(std::memory_order_relaxed);
-    do {
-      oldest->next = head;
-      // Release pairs with the acquire exchange in take_incoming(): the ops' fields travel with it.
-    } while (!incoming_.compare_exchange_weak(head, newest, std::memory_order_release,
-                                              std::memory_order_relaxed));
+    incoming_.push(newest, oldest);
     exec_.notify();
   }
 
   // --- Executor thread from here on (or the destructor, once the source is removed). ---
 
   void take_incoming() noexcept {
-    op* list = incoming_.exchange(nullptr, std::memory_order_acquire);
-    op* fifo = nullptr;
-    while (list != nullptr) {
-      op* next = list->next;
-      list->next = fifo;
-      fifo = list;
-      list = next;
-    }
-    while (fifo != nullptr) {
-      op* o = fifo;
-      fifo = fifo->next;
-      o->next = nullptr;
-      route(o);
-    }
+    incoming_.take([this](op* o) { route(o); });
   }
 
   void route(op* o) noexcept {
@@ -840,7 +823,7 @@ class ring {
         on_completion(reinterpret_cast<op*>(taken[i].data), taken[i].res);
         // Work submitted by a continuation resumed inline goes to the kernel now, not after the
         // rest of the batch: a device given requests early keeps more of them in flight.
-        if (incoming_.load(std::memory_order_relaxed) != nullptr) {
+        if (!incoming_.empty()) {
           take_incoming();
           flush();
         }
@@ -1261,7 +1244,7 @@ class ring {
   unsigned limit_ = 0;
 
   // Submitters push here; the executor takes the whole stack at once.
-  alignas(64) std::atomic<op*> incoming_{nullptr};
+  ferry::detail::submission_stack<op> incoming_;
 
   // The executor thread's state.
   alignas(64) std::vector<op*> in_flight_;

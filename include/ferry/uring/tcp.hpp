@@ -28,6 +28,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "ferry/detail/socket.hpp"
 #include "ferry/uring/ring.hpp"
 
 namespace ferry::uring {
@@ -38,43 +39,8 @@ namespace detail {
   throw std::system_error(err, std::system_category(), what);
 }
 
-inline void set_nodelay(int fd) noexcept {
-  const int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-}
-
-// Resolves host:port (numeric or by name) and calls `use(fd, addrinfo)` on sockets of each result
-// until it returns true; the descriptor of that success is returned, else -1 with errno set.
-template <class Use>
-int for_each_address(const std::string& host, std::uint16_t port, int flags, Use use) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = flags | AI_NUMERICSERV;
-  addrinfo* found = nullptr;
-  const std::string service = std::to_string(port);
-  const int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &found);
-  if (rc != 0) {
-    throw std::system_error(make_error_code(std::errc::invalid_argument),
-                            "ferry::uring: cannot resolve '" + host + "': " + ::gai_strerror(rc));
-  }
-  int err = EADDRNOTAVAIL;
-  int fd = -1;
-  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
-    fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-    if (fd < 0) {
-      err = errno;
-      continue;
-    }
-    if (use(fd, *a)) break;
-    err = errno;
-    ::close(fd);
-    fd = -1;
-  }
-  ::freeaddrinfo(found);
-  if (fd < 0) errno = err;
-  return fd;
-}
+using ferry::detail::for_each_address;
+using ferry::detail::set_nodelay;
 
 }  // namespace detail
 
@@ -104,9 +70,11 @@ class tcp_connection {
 
   // Connects to host:port, blocking until the connection is up or refused.
   [[nodiscard]] static tcp_connection connect(ring& r, const std::string& host, std::uint16_t port) {
-    const int fd = detail::for_each_address(host, port, 0, [](int s, const addrinfo& a) {
-      return ::connect(s, a.ai_addr, a.ai_addrlen) == 0;
-    });
+    const int fd =
+        detail::for_each_address(host, port, 0, std::make_error_code(std::errc::invalid_argument),
+                                 "ferry::uring", [](int s, const addrinfo& a) {
+                                   return ::connect(s, a.ai_addr, a.ai_addrlen) == 0;
+                                 });
     if (fd < 0) {
       detail::throw_errno(errno, "ferry::uring::tcp_connection::connect to " + host + ":" +
                                      std::to_string(port));
@@ -205,11 +173,13 @@ class tcp_listener {
   // Listens on address:port; port 0 picks a free one (see port()).
   explicit tcp_listener(const std::string& address = "127.0.0.1", std::uint16_t port = 0,
                         int backlog = 64) {
-    fd_ = detail::for_each_address(address, port, AI_PASSIVE, [&](int s, const addrinfo& a) {
-      const int one = 1;
-      ::setsockopt(s, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-      return ::bind(s, a.ai_addr, a.ai_addrlen) == 0 && ::listen(s, backlog) == 0;
-    });
+    fd_ = detail::for_each_address(
+        address, port, AI_PASSIVE, std::make_error_code(std::errc::invalid_argument),
+        "ferry::uring", [&](int s, const addrinfo& a) {
+          const int one = 1;
+          ::setsockopt(s, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+          return ::bind(s, a.ai_addr, a.ai_addrlen) == 0 && ::listen(s, backlog) == 0;
+        });
     if (fd_ < 0) {
       detail::throw_errno(errno, "ferry::uring::tcp_listener on " + address + ":" +
                                      std::to_string(port));

@@ -61,6 +61,7 @@
 
 #include "ferry/detail/block_pool.hpp"
 #include "ferry/detail/status_block.hpp"
+#include "ferry/detail/submission_stack.hpp"
 #include "ferry/detail/timeout.hpp"
 #include "ferry/detail/timer_service.hpp"
 #include "ferry/errors.hpp"
@@ -523,7 +524,7 @@ class basic_device {
     std::size_t handled = 0;
     if (expired_ != nullptr) handled += drain_expired();
     if (events_pending_.load(std::memory_order_acquire)) handled += handle_async_events();
-    if (incoming_.load(std::memory_order_relaxed) != nullptr) handled += take_incoming();
+    if (!incoming_.empty()) handled += take_incoming();
     post_all();
     const std::size_t reaped = reap(budget);
     if (reaped != 0) post_all();
@@ -854,37 +855,16 @@ class basic_device {
 
   // --- Submission (any thread). ---
 
-  // Publishes a unit (its lead; members hang off unit_next). After the CAS the executor owns it.
+  // Publishes a unit (its lead; members hang off unit_next). After it the executor owns the unit.
   void publish(op_body* lead) noexcept {
-    op_body* head = incoming_.load(std::memory_order_relaxed);
-    do {
-      lead->next = head;
-      // Release pairs with the acquire exchange in take_incoming(): the ops' fields travel with it.
-    } while (!incoming_.compare_exchange_weak(head, lead, std::memory_order_release,
-                                              std::memory_order_relaxed));
+    incoming_.push(lead);
     exec_.notify();
   }
 
   // --- The executor thread from here on (or the destructor, once the source is removed). ---
 
   std::size_t take_incoming() noexcept {
-    op_body* list = incoming_.exchange(nullptr, std::memory_order_acquire);
-    op_body* fifo = nullptr;
-    while (list != nullptr) {
-      op_body* next = list->next;
-      list->next = fifo;
-      fifo = list;
-      list = next;
-    }
-    std::size_t n = 0;
-    while (fifo != nullptr) {
-      op_body* o = fifo;
-      fifo = fifo->next;
-      o->next = nullptr;
-      route(o);
-      ++n;
-    }
-    return n;
+    return incoming_.take([this](op_body* o) { route(o); });
   }
 
   void route(op_body* lead) noexcept {
@@ -1391,7 +1371,7 @@ class basic_device {
   std::vector<async_event> events_;
   std::atomic<bool> events_pending_{false};
 
-  alignas(64) std::atomic<op_body*> incoming_{nullptr};
+  ferry::detail::submission_stack<op_body> incoming_;
 
   // The executor's.
   qp_state* qps_ = nullptr;

@@ -10,7 +10,6 @@
 
 #include <netdb.h>
 #include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -29,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "ferry/detail/socket.hpp"
 #include "ferry/verbs/device.hpp"
 #include "ferry/verbs/errors.hpp"
 
@@ -226,11 +226,6 @@ basic_connection<P> handshake(int fd, basic_device<P>& device, std::span<const r
   return c;
 }
 
-inline void set_nodelay(int fd) noexcept {
-  const int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-}
-
 }  // namespace detail
 
 // Connects to a side_channel_listener at host:port and performs the handshake.
@@ -241,41 +236,26 @@ template <class P, class Rep = std::int64_t, class Period = std::milli>
                                           std::chrono::duration<Rep, Period> timeout =
                                               std::chrono::milliseconds(10000)) {
   const auto deadline = detail::handshake_clock::now() + timeout;
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  const std::string service = std::to_string(port);
-  if (const int r = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &found); r != 0) {
-    detail::handshake_error("cannot resolve '" + host + "': " + ::gai_strerror(r));
+  const int fd = ferry::detail::for_each_address(
+      host, port, 0, make_error_code(errc::handshake_failed), "ferry::verbs handshake",
+      [&](int s, const addrinfo& a) {
+        if (!ferry::detail::set_nonblocking(s)) return false;
+        if (::connect(s, a.ai_addr, a.ai_addrlen) == 0) return true;
+        if (errno != EINPROGRESS) return false;
+        detail::wait_ready(s, POLLOUT, deadline, "connecting the side channel");
+        int err = 0;
+        socklen_t len = sizeof err;
+        ::getsockopt(s, SOL_SOCKET, SO_ERROR, &err, &len);
+        errno = err;
+        return err == 0;
+      });
+  if (fd < 0) {
+    detail::handshake_system_error(
+        errno, "connecting the side channel to " + host + ":" + std::to_string(port));
   }
-  std::unique_ptr<addrinfo, void (*)(addrinfo*)> guard(found, ::freeaddrinfo);
-  int last_error = ECONNREFUSED;
-  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
-    detail::socket_guard s(::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC,
-                                    a->ai_protocol));
-    if (s.get() < 0) {
-      last_error = errno;
-      continue;
-    }
-    if (::connect(s.get(), a->ai_addr, a->ai_addrlen) != 0) {
-      if (errno != EINPROGRESS) {
-        last_error = errno;
-        continue;
-      }
-      detail::wait_ready(s.get(), POLLOUT, deadline, "connecting the side channel");
-      int err = 0;
-      socklen_t len = sizeof err;
-      ::getsockopt(s.get(), SOL_SOCKET, SO_ERROR, &err, &len);
-      if (err != 0) {
-        last_error = err;
-        continue;
-      }
-    }
-    detail::set_nodelay(s.get());
-    return detail::handshake(s.get(), device, exposed, options, deadline);
-  }
-  detail::handshake_system_error(last_error, "connecting the side channel to " + host + ":" + service);
+  const detail::socket_guard s(fd);
+  ferry::detail::set_nodelay(fd);
+  return detail::handshake(fd, device, exposed, options, deadline);
 }
 
 // The accepting side of the side channel.
@@ -283,26 +263,17 @@ class side_channel_listener {
  public:
   // Listens on `address`:`port` (port 0: any free port; see port()).
   explicit side_channel_listener(std::uint16_t port = 0, const std::string& address = "127.0.0.1") {
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_PASSIVE | AI_NUMERICHOST;
-    addrinfo* found = nullptr;
-    const std::string service = std::to_string(port);
-    if (const int r = ::getaddrinfo(address.c_str(), service.c_str(), &hints, &found); r != 0) {
-      detail::handshake_error("cannot listen on '" + address + "': " + ::gai_strerror(r));
+    detail::socket_guard s(ferry::detail::for_each_address(
+        address, port, AI_PASSIVE | AI_NUMERICHOST, make_error_code(errc::handshake_failed),
+        "ferry::verbs handshake", [](int fd, const addrinfo& a) {
+          const int one = 1;
+          ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+          return ferry::detail::set_nonblocking(fd) && ::bind(fd, a.ai_addr, a.ai_addrlen) == 0 &&
+                 ::listen(fd, 16) == 0;
+        }));
+    if (s.get() < 0) {
+      detail::handshake_system_error(errno, "listening on " + address + ":" + std::to_string(port));
     }
-    std::unique_ptr<addrinfo, void (*)(addrinfo*)> guard(found, ::freeaddrinfo);
-    detail::socket_guard s(::socket(found->ai_family,
-                                    found->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC,
-                                    found->ai_protocol));
-    if (s.get() < 0) detail::handshake_system_error(errno, "socket");
-    const int one = 1;
-    ::setsockopt(s.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (::bind(s.get(), found->ai_addr, found->ai_addrlen) != 0) {
-      detail::handshake_system_error(errno, "bind " + address + ":" + service);
-    }
-    if (::listen(s.get(), 16) != 0) detail::handshake_system_error(errno, "listen");
     sockaddr_storage bound{};
     socklen_t len = sizeof bound;
     ::getsockname(s.get(), reinterpret_cast<sockaddr*>(&bound), &len);
@@ -328,7 +299,7 @@ class side_channel_listener {
         if (errno == EAGAIN || errno == EINTR || errno == ECONNABORTED) continue;
         detail::handshake_system_error(errno, "accept");
       }
-      detail::set_nodelay(s.get());
+      ferry::detail::set_nodelay(s.get());
       return detail::handshake(s.get(), device, exposed, options, deadline);
     }
   }

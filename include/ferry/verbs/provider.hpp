@@ -18,7 +18,8 @@
 #include <system_error>
 #include <vector>
 
-#include <fcntl.h>
+#include "ferry/detail/socket.hpp"
+
 
 namespace ferry::verbs {
 
@@ -103,7 +104,7 @@ struct real_provider {
   // pending.
   [[nodiscard]] static channel_handle create_comp_channel(context_handle c) noexcept {
     ibv_comp_channel* ch = ::ibv_create_comp_channel(c);
-    if (ch != nullptr && !set_nonblocking(ch->fd)) {
+    if (ch != nullptr && !ferry::detail::set_nonblocking(ch->fd)) {
       const int err = errno;
       ::ibv_destroy_comp_channel(ch);
       errno = err;
@@ -163,7 +164,7 @@ struct real_provider {
   // The context's asynchronous event descriptor, made non-blocking by prepare_async_fd.
   [[nodiscard]] static int async_fd(context_handle c) noexcept { return c->async_fd; }
   [[nodiscard]] static bool prepare_async_fd(context_handle c) noexcept {
-    return set_nonblocking(c->async_fd);
+    return ferry::detail::set_nonblocking(c->async_fd);
   }
 
   // 0 and one event (already acknowledged), or EAGAIN when none is pending.
@@ -198,12 +199,6 @@ struct real_provider {
     }
     ::ibv_ack_async_event(&ev);
     return 0;
-  }
-
- private:
-  static bool set_nonblocking(int fd) noexcept {
-    const int flags = ::fcntl(fd, F_GETFL);
-    return flags >= 0 && ::fcntl(fd, F_SETFL, flags | O_NONBLOCK) == 0;
   }
 };
 

@@ -1,0 +1,73 @@
+#pragma once
+// Descriptor and TCP socket set-up, shared by the io_uring TCP connections, the verbs handshake's
+// side channel and the verbs provider: resolving an address and trying each result, TCP_NODELAY,
+// non-blocking mode.
+
+#include <cerrno>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <system_error>
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+namespace ferry::detail {
+
+[[nodiscard]] inline bool set_nonblocking(int fd) noexcept {
+  const int flags = ::fcntl(fd, F_GETFL);
+  return flags >= 0 && ::fcntl(fd, F_SETFL, flags | O_NONBLOCK) == 0;
+}
+
+inline void set_nodelay(int fd) noexcept {
+  const int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
+// Resolves host:port (numeric or by name; `flags` are getaddrinfo's) and calls `use(fd, addrinfo)`
+// on a new stream socket for each result until it returns true; that socket is returned, else -1
+// with errno set (by `use`, or by socket()). A failed resolution throws std::system_error with
+// `resolve_error` and a message starting with `who`. If `use` throws, the socket and the results are
+// released.
+template <class Use>
+int for_each_address(const std::string& host, std::uint16_t port, int flags,
+                     std::error_code resolve_error, const char* who, Use use) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = flags | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const std::string service = std::to_string(port);
+  const int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &found);
+  if (rc != 0) {
+    throw std::system_error(resolve_error, std::string(who) + ": cannot resolve '" + host + "': " +
+                                ::gai_strerror(rc));
+  }
+  const std::unique_ptr<addrinfo, void (*)(addrinfo*)> results(found, ::freeaddrinfo);
+  int err = EADDRNOTAVAIL;
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) {
+      err = errno;
+      continue;
+    }
+    bool used = false;
+    try {
+      used = use(fd, *a);
+    } catch (...) {
+      ::close(fd);
+      throw;
+    }
+    if (used) return fd;
+    err = errno;
+    ::close(fd);
+  }
+  errno = err;
+  return -1;
+}
+
+}  // namespace ferry::detail
