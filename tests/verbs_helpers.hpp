@@ -8,6 +8,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include <ferry/ferry.hpp>
 #include <ferry/verbs/device.hpp>
@@ -104,5 +105,15 @@ struct rig {
   std::unique_ptr<queue_pair> a_qp;
   std::unique_ptr<queue_pair> b_qp;
 };
+
+// Posts `n` 64-byte WRITEs from a's region to b's, block i at offset 64 i on both sides.
+inline std::vector<transfer> post_writes(rig& r, int n) {
+  std::vector<transfer> out;
+  for (int i = 0; i < n; ++i) {
+    const std::size_t at = static_cast<std::size_t>(i) * 64;
+    out.push_back(r.a_qp->write(r.a_mem->slice(at, 64), r.b_mem->remote().slice(at, 64)));
+  }
+  return out;
+}
 
 }  // namespace ferry_test::verbs

@@ -139,10 +139,7 @@ TEST_CASE("verbs: a full send queue backs off until room frees, or fails at the 
     o.admission_timeout = 10s;
     rig r(o);
     paused_fabric pause;
-    std::vector<transfer> first;
-    for (int i = 0; i < 4; ++i) {
-      first.push_back(r.a_qp->write(r.a_mem->slice(i * 64, 64), r.b_mem->remote().slice(i * 64, 64)));
-    }
+    std::vector<transfer> first = post_writes(r, 4);
     CHECK(r.a_qp->send_credits() == 0);
     CHECK_FALSE(r.a_qp->try_write(r.a_mem->slice(0, 64), r.b_mem->remote().slice(0, 64)).has_value());
     std::thread resumer([&] {
@@ -162,10 +159,7 @@ TEST_CASE("verbs: a full send queue backs off until room frees, or fails at the 
     o.admission_timeout = 50ms;
     rig r(o);
     paused_fabric pause;
-    std::vector<transfer> first;
-    for (int i = 0; i < 4; ++i) {
-      first.push_back(r.a_qp->write(r.a_mem->slice(i * 64, 64), r.b_mem->remote().slice(i * 64, 64)));
-    }
+    std::vector<transfer> first = post_writes(r, 4);
     const auto start = ferry_test::clock_type::now();
     transfer fifth = r.a_qp->write(r.a_mem->slice(512, 64), r.b_mem->remote().slice(512, 64));
     CHECK(ferry_test::ms_since(start) < 5000);
@@ -191,9 +185,7 @@ TEST_CASE("verbs: a fatal queue pair event fails 1000 transfers in flight, none 
   std::vector<transfer> in_flight;
   {
     paused_fabric pause;
-    for (int i = 0; i < 1000; ++i) {
-      in_flight.push_back(r.a_qp->write(r.a_mem->slice(i * 64, 64), r.b_mem->remote().slice(i * 64, 64)));
-    }
+    in_flight = post_writes(r, 1000);
     REQUIRE(ferry_test::wait_until([&] { return r.a->counters().work_requests_posted >= 1000; }));
     const auto start = ferry_test::clock_type::now();
     fabric::instance().inject_qp_fatal(r.a_qp->native_handle());
@@ -221,9 +213,7 @@ TEST_CASE("verbs: device fatal, port down and CQ error fail everything they stra
     rig r;
     std::vector<transfer> in_flight;
     paused_fabric pause;
-    for (int i = 0; i < 100; ++i) {
-      in_flight.push_back(r.a_qp->write(r.a_mem->slice(i * 64, 64), r.b_mem->remote().slice(i * 64, 64)));
-    }
+    in_flight = post_writes(r, 100);
     std::uint64_t value = 0;
     transfer waiting = r.a_qp->receive_notification(value);
     REQUIRE(ferry_test::wait_until([&] { return r.a->counters().work_requests_posted >= 100; }));
@@ -392,9 +382,7 @@ TEST_CASE("verbs: closing a queue pair fails what it holds and frees the memory 
   std::vector<transfer> in_flight;
   {
     paused_fabric pause;
-    for (int i = 0; i < 32; ++i) {
-      in_flight.push_back(r.a_qp->write(r.a_mem->slice(i * 64, 64), r.b_mem->remote().slice(i * 64, 64)));
-    }
+    in_flight = post_writes(r, 32);
     REQUIRE(ferry_test::wait_until([&] { return r.a->counters().work_requests_posted >= 32; }));
     r.a_qp.reset();
     REQUIRE(all_end(in_flight, transfer_state::failed));
@@ -409,9 +397,7 @@ TEST_CASE("verbs: destroying the device ends every transfer it still holds", "[v
   {
     rig r;
     paused_fabric pause;
-    for (int i = 0; i < 16; ++i) {
-      in_flight.push_back(r.a_qp->write(r.a_mem->slice(i * 64, 64), r.b_mem->remote().slice(i * 64, 64)));
-    }
+    in_flight = post_writes(r, 16);
     r.a_qp.reset();
     r.b_qp.reset();
     r.a_mem.reset();  // the requests still hold the registration
