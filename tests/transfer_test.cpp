@@ -180,8 +180,8 @@ TEST_CASE("wait_for: zero looks once, negative waits forever, positive waits up 
   }
   SECTION("negative waits until the completion") {
     auto [t, c] = ferry::make_manual_transfer();
+    const auto start = clock_type::now();  // before the completing thread starts its 30 ms
     auto th = complete_later(c, 30ms);
-    const auto start = clock_type::now();
     CHECK(t.wait_for(-1ms) == transfer_state::success);
     CHECK(ms_since(start) >= 25);
     th.join();
