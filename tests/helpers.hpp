@@ -51,7 +51,8 @@ struct batch {
 // A run_loop driven by its own thread, like an inference engine's scheduler thread.
 class engine_thread {
  public:
-  engine_thread() : thread_([this] {
+  engine_thread() : engine_thread(ferry::run_loop::default_spin) {}
+  explicit engine_thread(std::chrono::nanoseconds spin) : loop_(spin), thread_([this] {
     id_.store(std::this_thread::get_id());
     loop_.run();
   }) {

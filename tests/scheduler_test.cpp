@@ -102,10 +102,13 @@ TEST_CASE("run_loop: post, run_one, poll and stop", "[scheduler]") {
   CHECK(ms_since(start) >= 15);
 }
 
-TEST_CASE("run_loop wakes a sleeping run() for work posted from another thread",
-          "[scheduler][concurrency]") {
-  engine_thread engine;
-  for (int i = 0; i < 1000; ++i) {
+namespace {
+
+// Posts `rounds` hops to `engine` from this thread, pausing `gap` before each; every hop must run on
+// the engine thread.
+void hop_rounds(engine_thread& engine, int rounds, std::chrono::microseconds gap) {
+  for (int i = 0; i < rounds; ++i) {
+    if (gap.count() != 0) std::this_thread::sleep_for(gap);
     std::atomic<bool> ran{false};
     std::atomic<std::thread::id> where{};
     [](ferry::run_loop& l, std::atomic<bool>& r, std::atomic<std::thread::id>& w) -> detached {
@@ -116,6 +119,50 @@ TEST_CASE("run_loop wakes a sleeping run() for work posted from another thread",
     while (!ran.load()) std::this_thread::yield();
     REQUIRE(where.load() == engine.id());
   }
+}
+
+}  // namespace
+
+TEST_CASE("run_loop wakes a sleeping run() for work posted from another thread",
+          "[scheduler][concurrency]") {
+  SECTION("a loop that sleeps at once") {
+    engine_thread engine(0ns);
+    hop_rounds(engine, 1000, 0us);
+  }
+  SECTION("a spinning loop, posted to while it spins and after it has gone to sleep") {
+    engine_thread engine(200us);
+    hop_rounds(engine, 1000, 0us);
+    hop_rounds(engine, 50, 1000us);
+  }
+}
+
+TEST_CASE("run_loop: an idle loop's spin ends early for work and for stop", "[scheduler]") {
+  // A spin far longer than the test: waiting it out would show as a hang.
+  ferry::run_loop loop(std::chrono::seconds(30));
+  std::thread poster([&] {
+    std::this_thread::sleep_for(20ms);
+    loop.post(std::noop_coroutine());
+    std::this_thread::sleep_for(20ms);
+    loop.stop();
+  });
+  const auto start = clock_type::now();
+  CHECK(loop.run_one());
+  CHECK_FALSE(loop.run_one());
+  poster.join();
+  CHECK(ms_since(start) >= 35);
+  CHECK(ms_since(start) < 10'000);
+}
+
+TEST_CASE("run_loop: a negative spin means none", "[scheduler]") {
+  ferry::run_loop loop(-5ms);
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(20ms);
+    loop.stop();
+  });
+  loop.run();
+  stopper.join();
+  loop.post(std::noop_coroutine());
+  CHECK(loop.poll() == 1);
 }
 
 TEST_CASE("task: values, nesting, exceptions and sync_wait", "[scheduler]") {
