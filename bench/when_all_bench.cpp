@@ -129,6 +129,32 @@ double baseline_round(std::size_t n, std::size_t k, std::chrono::milliseconds de
   return latency;
 }
 
+// The floor under this table: one word handed from the failing thread to the waiting one, after
+// the same settle, with the waiting thread first writing `dirty_bytes` (one store per cache line),
+// about what registering N members writes into their status blocks and waiter nodes.
+double handoff_round(std::size_t n, std::size_t dirty_bytes) {
+  std::vector<char> scratch(dirty_bytes);
+  std::atomic<bool> ready{false};
+  std::atomic<int> slot{0};
+  std::atomic<std::int64_t> t0{0};
+  double latency = 0;
+  const pinned_scope pinned(0);
+  std::thread waiter([&] {
+    pin_to(1);
+    for (std::size_t i = 0; i < scratch.size(); i += 64) scratch[i] = 1;
+    ready.store(true, std::memory_order_release);
+    while (slot.load(std::memory_order_acquire) == 0) {
+    }
+    latency = static_cast<double>(now_ns() - t0.load(std::memory_order_acquire));
+  });
+  spin_until(ready);
+  let_it_settle(n);
+  t0.store(now_ns(), std::memory_order_release);
+  slot.store(1, std::memory_order_release);
+  waiter.join();
+  return latency;
+}
+
 }  // namespace
 
 void run_when_all(const options& opt) {
@@ -181,6 +207,17 @@ void run_when_all(const options& opt) {
     std::printf("| %zu | %zu | %s | %s | %s | %s |\n", c.n, c.k, human_ns(c50).c_str(),
                 human_ns(b50).c_str(), human_ns(summarize(base).p50).c_str(),
                 saw ? "yes" : "no (timed out)");
+  }
+  {
+    std::vector<double> clean, dirty;
+    for (int pass = 0; pass < passes; ++pass) {
+      clean.push_back(handoff_round(1, 0));
+      dirty.push_back(handoff_round(1, std::size_t{8} << 20));
+    }
+    std::printf("\nThe floor after the same settle: a bare one-word handoff between the same two "
+                "threads takes %s, and %s when the waiting thread first wrote 8 MiB (about what "
+                "registering 65536 members writes).\n",
+                human_ns(summarize(clean).p50).c_str(), human_ns(summarize(dirty).p50).c_str());
   }
   char buf[128];
   std::snprintf(buf, sizeof buf, "max/min %.2f (co_await), %.2f (wait_all)", hi / lo, hi_b / lo_b);
