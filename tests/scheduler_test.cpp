@@ -154,7 +154,10 @@ TEST_CASE("run_loop: an idle loop's spin ends early for work and for stop", "[sc
 }
 
 TEST_CASE("run_loop: a negative spin means none", "[scheduler]") {
+  CHECK(ferry::run_loop().spin() == ferry::run_loop::default_spin);
+  CHECK(ferry::run_loop(3us).spin() == 3us);
   ferry::run_loop loop(-5ms);
+  CHECK(loop.spin() == 0ns);
   std::thread stopper([&] {
     std::this_thread::sleep_for(20ms);
     loop.stop();

@@ -32,6 +32,8 @@ class run_loop {
   run_loop(const run_loop&) = delete;
   run_loop& operator=(const run_loop&) = delete;
 
+  [[nodiscard]] std::chrono::nanoseconds spin() const noexcept { return spin_; }
+
   // Any thread. Wakes the running thread only if it sleeps.
   void post(std::coroutine_handle<> h) {
     {
