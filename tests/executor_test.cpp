@@ -57,6 +57,33 @@ class manual_source {
   std::atomic<std::thread::id> poller_{};
 };
 
+// A source with nothing to complete whose first poll holds the executor until release().
+class gate_source {
+ public:
+  explicit gate_source(ferry::progress_executor& e) : exec_(e) { exec_.add_source(*this); }
+  ~gate_source() {
+    release();
+    exec_.remove_source(*this);
+  }
+
+  std::size_t poll(std::size_t) {
+    if (!held_.exchange(true)) {
+      while (!released_.load()) std::this_thread::yield();
+    }
+    return 0;
+  }
+
+  void wait_until_held() const {
+    while (!held_.load()) std::this_thread::yield();
+  }
+  void release() { released_.store(true); }
+
+ private:
+  ferry::progress_executor& exec_;
+  std::atomic<bool> held_{false};
+  std::atomic<bool> released_{false};
+};
+
 }  // namespace
 
 TEST_CASE("every mode completes submitted work", "[executor][concurrency]") {
@@ -140,6 +167,22 @@ TEST_CASE("after remove_source returns the executor never calls the source again
     source.reset();  // ASan/TSan catch a poll on the freed source
   }
   SUCCEED();
+}
+
+TEST_CASE("work on a source added just as the executor parks is not slept on",
+          "[executor][concurrency]") {
+  // The executor is held inside a round that polls the old source list while a source is added and
+  // given work. Both announcements come before the executor says it sleeps, so they wake nobody:
+  // the executor must notice the new list before it sleeps, or that work waits forever.
+  ferry::executor_options options;
+  options.mode = ferry::progress_mode::park;
+  ferry::progress_executor exec(options);
+  gate_source gate(exec);
+  gate.wait_until_held();
+  manual_source source(exec);
+  const ferry::transfer t = source.submit();
+  gate.release();
+  REQUIRE(t.wait_for(hang_bound) == transfer_state::success);
 }
 
 TEST_CASE("executor options are checked", "[executor]") {

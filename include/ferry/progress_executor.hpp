@@ -329,7 +329,7 @@ class progress_executor {
           continue;
         }
       }
-      const std::size_t late = park();
+      const std::size_t late = park(seen_generation);
       if (late != 0) {
         completions += late;
         completions_.store(completions, std::memory_order_relaxed);
@@ -375,10 +375,18 @@ class progress_executor {
   }
 
   // Returns completions found by the last look before sleeping (then it does not sleep).
-  std::size_t park() {
+  // `seen_generation`: the source list round_sources_ was copied from.
+  std::size_t park(std::uint64_t seen_generation) {
     parked_.store(true, std::memory_order_relaxed);
     // Pairs with the fence in notify().
     detail::full_barrier();
+    // A source added since this round began was announced by add_source's notify(), which may have
+    // come before parked_ was set and so woke nobody; the last look below would miss the source's
+    // work, since it polls the old list. Go round again with the new list instead of sleeping.
+    if (generation_.load(std::memory_order_seq_cst) != seen_generation) {
+      parked_.store(false, std::memory_order_relaxed);
+      return 0;
+    }
     std::size_t late = poll_sources();
     for (const source_entry& e : round_sources_) {
       if (e.arm != nullptr && !e.arm(e.object)) ++late;
