@@ -3,6 +3,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <random>
 #include <coroutine>
 #include <cstdio>
 #include <functional>
@@ -111,11 +112,18 @@ void run_latency(const options& opt) {
   };
   std::vector<row> rows;
 
+  // Each waiter measures `n` rounds and returns their latencies.
+  struct waiter_kind {
+    const char* name;
+    std::function<std::vector<double>(int)> rounds;
+  };
+  std::vector<waiter_kind> kinds;
+
   // The floor: a bare cross-thread atomic handoff.
-  {
+  kinds.push_back({"atomic handoff (floor)", [](int n) {
     std::atomic<bool> flag{false};
-    auto s = measure(
-        fast_iters, [&] { flag.store(false); },
+    return measure(
+        n, [&] { flag.store(false); },
         [&](handshake& h) {
           h.waiting.store(true, std::memory_order_release);
           while (!flag.load(std::memory_order_acquire)) {
@@ -123,15 +131,13 @@ void run_latency(const options& opt) {
           return since(h);
         },
         [&] { flag.store(true, std::memory_order_release); });
-    rows.push_back({"atomic handoff (floor)", summarize(s)});
-  }
+  }});
 
   // ferry: co_await on a spinning user scheduler.
-  {
+  kinds.push_back({"ferry co_await (spinning scheduler)", [](int n) {
     manual_round round;
-    auto s = measure(
-        fast_iters,
-        [&] { round.prepare(); },
+    return measure(
+        n, [&] { round.prepare(); },
         [&](handshake& h) {
           spinning_scheduler sched;
           std::atomic<bool> stop{false};
@@ -141,29 +147,26 @@ void run_latency(const options& opt) {
           return latency;
         },
         [&] { round.complete(); });
-    rows.push_back({"ferry co_await (spinning scheduler)", summarize(s)});
-  }
+  }});
 
   // ferry: blocking wait().
-  {
+  kinds.push_back({"ferry wait() (blocking)", [](int n) {
     manual_round round;
-    auto s = measure(
-        fast_iters,
-        [&] { round.prepare(); },
+    return measure(
+        n, [&] { round.prepare(); },
         [&](handshake& h) {
           h.waiting.store(true, std::memory_order_release);
           (void)round.current.wait();
           return since(h);
         },
         [&] { round.complete(); });
-    rows.push_back({"ferry wait() (blocking)", summarize(s)});
-  }
+  }});
 
   // Baseline: condition variable (how mori-io's Wait works, member by member).
-  {
+  kinds.push_back({"condition variable", [](int n) {
     auto st = std::make_unique<cv_status>();
-    auto s = measure(
-        fast_iters, [&] { st = std::make_unique<cv_status>(); },
+    return measure(
+        n, [&] { st = std::make_unique<cv_status>(); },
         [&](handshake& h) {
           std::unique_lock lock(st->m);
           h.waiting.store(true, std::memory_order_release);
@@ -177,15 +180,14 @@ void run_latency(const options& opt) {
           }
           st->cv.notify_all();
         });
-    rows.push_back({"condition variable", summarize(s)});
-  }
+  }});
 
   // Baseline: std::future.
-  {
+  kinds.push_back({"std::future", [](int n) {
     std::promise<void> p;
     std::future<void> f;
-    auto s = measure(
-        fast_iters,
+    return measure(
+        n,
         [&] {
           p = std::promise<void>();
           f = p.get_future();
@@ -196,8 +198,23 @@ void run_latency(const options& opt) {
           return since(h);
         },
         [&] { p.set_value(); });
-    rows.push_back({"std::future", summarize(s)});
+  }});
+
+  // Interleaved passes, each waiter's share in a new order every pass: the machine's load drifts
+  // over seconds, and the rows compared with each other should all see the same drift.
+  const int passes = opt.quick ? 3 : 10;
+  std::vector<std::vector<double>> samples(kinds.size());
+  std::vector<std::size_t> order(kinds.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::mt19937 shuffler(2024);
+  for (int pass = 0; pass < passes; ++pass) {
+    std::shuffle(order.begin(), order.end(), shuffler);
+    for (std::size_t i : order) {
+      const std::vector<double> got = kinds[i].rounds(fast_iters / passes);
+      samples[i].insert(samples[i].end(), got.begin(), got.end());
+    }
   }
+  for (std::size_t i = 0; i < kinds.size(); ++i) rows.push_back({kinds[i].name, summarize(samples[i])});
 
   // Baseline: a 1 ms polling loop on the status.
   {
@@ -214,8 +231,9 @@ void run_latency(const options& opt) {
     rows.push_back({"1 ms polling loop", summarize(s)});
   }
 
-  std::printf("\n## Completion -> resume latency (%d iterations; 1 ms polling: %d)\n\n", fast_iters,
-              slow_iters);
+  std::printf("\n## Completion -> resume latency (%d iterations in %d interleaved passes; 1 ms "
+              "polling: %d)\n\n",
+              fast_iters, passes, slow_iters);
   std::printf("| waiter | p50 | p99 | p50 / floor |\n|---|---|---|---|\n");
   const double floor = rows[0].s.p50;
   for (const row& r : rows) {
