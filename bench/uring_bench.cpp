@@ -18,6 +18,7 @@
 
 #include <fcntl.h>
 #include <sys/socket.h>
+#include <sys/resource.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -92,6 +93,25 @@ struct test_file {
   }
 };
 
+// CPU time this process has used, user and system, in seconds.
+double process_cpu_seconds() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
+}
+
+// Runs `runner` and adds the CPUs it kept busy (CPU seconds per wall second) to `cpus`.
+template <class Runner>
+double with_cpu(std::vector<double>& cpus, Runner runner) {
+  const double cpu0 = process_cpu_seconds();
+  const auto t0 = clock_type::now();
+  const double rate = runner();
+  const double wall = std::chrono::duration<double>(clock_type::now() - t0).count();
+  cpus.push_back((process_cpu_seconds() - cpu0) / wall);
+  return rate;
+}
+
 // ---- ferry, coroutines: `depth` coroutines on a run_loop, each awaiting one read at a time. ----
 
 struct loop_coroutine {
@@ -122,8 +142,9 @@ loop_coroutine reader(ferry::run_loop& loop, uring::ring& r, int fd, std::span<s
   if (--running == 0) loop.stop();
 }
 
-double ferry_coroutines(uring::ring& r, const test_file& f, const workload& w, double seconds) {
-  ferry::run_loop loop;
+double ferry_coroutines(uring::ring& r, const test_file& f, const workload& w, double seconds,
+                        std::chrono::nanoseconds loop_spin = ferry::run_loop::default_spin) {
+  ferry::run_loop loop(loop_spin);
   uring::aligned_buffer bufs(w.block * w.depth);
   offsets where(f.size, w.block, w.random, 1);
   std::uint64_t done = 0, errors = 0;
@@ -251,7 +272,8 @@ double raw_liburing(const test_file& f, const workload& w, double seconds) {
 
 // ---- fio's io_uring engine on the same file; 0 when fio is not installed. ----
 
-double fio_iops(const test_file& f, const workload& w, double seconds) {
+// `cpu`, when given, receives the CPUs fio's job kept busy (its usr_cpu + sys_cpu, per cent of one).
+double fio_iops(const test_file& f, const workload& w, double seconds, double* cpu = nullptr) {
   const std::string cmd =
       "fio --name=ferry --filename=" + f.path + " --size=" + std::to_string(f.size) +
       " --rw=" + (w.random ? "randread" : "read") + " --bs=" + std::to_string(w.block) +
@@ -269,6 +291,15 @@ double fio_iops(const test_file& f, const workload& w, double seconds) {
   if (read == std::string::npos) return 0;
   const std::size_t iops = out.find("\"iops\" :", read);
   if (iops == std::string::npos) return 0;
+  if (cpu != nullptr) {
+    const std::size_t usr = out.find("\"usr_cpu\" :");
+    const std::size_t sys = out.find("\"sys_cpu\" :");
+    if (usr != std::string::npos && sys != std::string::npos) {
+      *cpu = (std::strtod(out.c_str() + usr + 11, nullptr) +
+              std::strtod(out.c_str() + sys + 11, nullptr)) /
+             100;
+    }
+  }
   return std::strtod(out.c_str() + iops + 8, nullptr);
 }
 
@@ -452,6 +483,20 @@ void run_uring(const options& opt) {
   };
   ferry::progress_executor exec;
   uring::ring r(exec, uring::ring_options{.entries = 256});
+  // The same runners with longer idle spins, for the QD 32 row: reads there finish in bursts about
+  // 250 us apart, longer than the default 50 us spins, so with the defaults the executor parks and
+  // the engine thread sleeps between bursts, and each burst starts with waking them.
+  const auto tuned_executor_spin = std::chrono::microseconds(500);
+  const auto tuned_loop_spin = std::chrono::milliseconds(1);
+  ferry::executor_options tuned_options;
+  tuned_options.spin_budget = tuned_executor_spin;
+  ferry::progress_executor tuned_exec(tuned_options);
+  uring::ring tuned_r(tuned_exec, uring::ring_options{.entries = 256});
+  struct tuned_results {
+    std::vector<double> co, inl, co_fio, inl_fio;
+    std::vector<double> co_cpu, inl_cpu, default_co_cpu, default_inl_cpu, fio_cpu;
+  } tuned;
+  std::string spin_table;  // printed under the main table
   for (const workload& w : loads) {
     std::vector<double> co, inl, blocking, raw, fi;
     // Per pass, each ferry runner against the baselines that ran next to it: the machine's speed
@@ -460,16 +505,38 @@ void run_uring(const options& opt) {
     const bool target_row = w.depth == 32 && w.random;
     const int n = target_row ? target_passes : passes;
     for (int p = 0; p < n; ++p) {
-      double c = 0, i = 0, b = 0, rr = 0, ff = 0;
+      double c = 0, i = 0, b = 0, rr = 0, ff = 0, tc = 0, ti = 0;
       // The runners go in a different order every pass, so that none is always the one that runs
       // right after fio's process starts, or first after a quiet spell.
-      for (int slot = 0; slot < 5; ++slot) {
-        switch ((slot + p) % 5) {
-          case 0: c = ferry_coroutines(r, f, w, seconds); break;
-          case 1: i = ferry_inline(r, f, w, seconds); break;
+      const int runners = target_row ? 7 : 5;
+      for (int slot = 0; slot < runners; ++slot) {
+        switch ((slot + p) % runners) {
+          case 0:
+            c = target_row ? with_cpu(tuned.default_co_cpu,
+                                      [&] { return ferry_coroutines(r, f, w, seconds); })
+                           : ferry_coroutines(r, f, w, seconds);
+            break;
+          case 1:
+            i = target_row ? with_cpu(tuned.default_inl_cpu,
+                                      [&] { return ferry_inline(r, f, w, seconds); })
+                           : ferry_inline(r, f, w, seconds);
+            break;
           case 2: b = ferry_blocking(r, f, w, seconds); break;
           case 3: rr = raw_liburing(f, w, seconds); break;
-          default: ff = fio ? fio_iops(f, w, seconds) : 0; break;
+          case 4: {
+            double cpu = 0;
+            ff = fio ? fio_iops(f, w, seconds, &cpu) : 0;
+            if (target_row && ff > 0) tuned.fio_cpu.push_back(cpu);
+            break;
+          }
+          case 5:
+            tc = with_cpu(tuned.co_cpu, [&] {
+              return ferry_coroutines(tuned_r, f, w, seconds, tuned_loop_spin);
+            });
+            break;
+          default:
+            ti = with_cpu(tuned.inl_cpu, [&] { return ferry_inline(tuned_r, f, w, seconds); });
+            break;
         }
       }
       co.push_back(c);
@@ -484,6 +551,14 @@ void run_uring(const options& opt) {
       if (ff > 0) {
         co_fio.push_back(c / ff);
         inl_fio.push_back(i / ff);
+      }
+      if (target_row) {
+        tuned.co.push_back(tc);
+        tuned.inl.push_back(ti);
+        if (ff > 0) {
+          tuned.co_fio.push_back(tc / ff);
+          tuned.inl_fio.push_back(ti / ff);
+        }
       }
     }
     const bool big = w.block >= (1u << 20);
@@ -519,8 +594,42 @@ void run_uring(const options& opt) {
         report_target("io_uring 4 KiB random reads, QD 32, co_await on the executor: >= 100% of "
                       "fio", spread(inl_fio), !inl_fio.empty() && median_of(inl_fio) >= 1.0);
       }
+      auto cpus = [](const std::vector<double>& v) {
+        char out[32];
+        std::snprintf(out, sizeof out, "%.2f", median_of(v));
+        return std::string(out);
+      };
+      char line[512];
+      std::snprintf(line, sizeof line,
+                    "\nQD 32 with the default idle spins (executor %lld us, run_loop %lld us) and "
+                    "with longer ones (executor %lld us, run_loop %lld us), in the same passes; "
+                    "CPUs is the process's CPU time per second of the run:\n\n| idle spins | "
+                    "engine thread | executor thread | engine / fio | executor / fio | CPUs (engine "
+                    "/ executor) |\n|---|---|---|---|---|---|\n",
+                    static_cast<long long>(ferry::executor_options{}.spin_budget.count() / 1000),
+                    static_cast<long long>(ferry::run_loop::default_spin.count() / 1000),
+                    static_cast<long long>(tuned_executor_spin.count()),
+                    static_cast<long long>(tuned_loop_spin.count() * 1000));
+      spin_table = line;
+      std::snprintf(line, sizeof line, "| default | %s | %s | %s | %s | %s / %s |\n",
+                    show(median_of(co)).c_str(), show(median_of(inl)).c_str(),
+                    fio ? ratio(co_fio).c_str() : "-", fio ? ratio(inl_fio).c_str() : "-",
+                    cpus(tuned.default_co_cpu).c_str(), cpus(tuned.default_inl_cpu).c_str());
+      spin_table += line;
+      std::snprintf(line, sizeof line, "| longer | %s | %s | %s | %s | %s / %s |\n",
+                    show(median_of(tuned.co)).c_str(), show(median_of(tuned.inl)).c_str(),
+                    fio ? ratio(tuned.co_fio).c_str() : "-",
+                    fio ? ratio(tuned.inl_fio).c_str() : "-", cpus(tuned.co_cpu).c_str(),
+                    cpus(tuned.inl_cpu).c_str());
+      spin_table += line;
+      if (fio) {
+        std::snprintf(line, sizeof line, "\nfio's job kept %s CPUs busy in the same passes.\n",
+                      cpus(tuned.fio_cpu).c_str());
+        spin_table += line;
+      }
     }
   }
+  std::printf("%s", spin_table.c_str());
 }
 
 void run_tcp(const options& opt) {
