@@ -9,6 +9,7 @@
 #include <exception>
 #include <cstdint>
 #include <cstdio>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -109,6 +110,21 @@ struct spinning_coroutine {
     void unhandled_exception() noexcept { std::terminate(); }
   };
 };
+
+// Calls each(i) for every i < count, once per pass, in a new order every pass (the same orders in
+// every run), then after_pass(): drift in the machine's load, and whatever one measurement leaves
+// behind for the next, then land on every configuration alike.
+template <class Each, class AfterPass>
+void in_shuffled_passes(std::size_t count, int passes, Each each, AfterPass after_pass) {
+  std::vector<std::size_t> order(count);
+  for (std::size_t i = 0; i < count; ++i) order[i] = i;
+  std::mt19937 shuffler(2024);
+  for (int pass = 0; pass < passes; ++pass) {
+    std::shuffle(order.begin(), order.end(), shuffler);
+    for (std::size_t i : order) each(i);
+    after_pass();
+  }
+}
 
 // Threads that hand work to each other are pinned to different CPUs, so that a measurement never
 // includes the two sharing one.

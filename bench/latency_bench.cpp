@@ -3,7 +3,6 @@
 
 #include <atomic>
 #include <condition_variable>
-#include <random>
 #include <coroutine>
 #include <cstdio>
 #include <functional>
@@ -204,16 +203,13 @@ void run_latency(const options& opt) {
   // over seconds, and the rows compared with each other should all see the same drift.
   const int passes = opt.quick ? 3 : 10;
   std::vector<std::vector<double>> samples(kinds.size());
-  std::vector<std::size_t> order(kinds.size());
-  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::mt19937 shuffler(2024);
-  for (int pass = 0; pass < passes; ++pass) {
-    std::shuffle(order.begin(), order.end(), shuffler);
-    for (std::size_t i : order) {
-      const std::vector<double> got = kinds[i].rounds(fast_iters / passes);
-      samples[i].insert(samples[i].end(), got.begin(), got.end());
-    }
-  }
+  in_shuffled_passes(
+      kinds.size(), passes,
+      [&](std::size_t i) {
+        const std::vector<double> got = kinds[i].rounds(fast_iters / passes);
+        samples[i].insert(samples[i].end(), got.begin(), got.end());
+      },
+      [] {});
   for (std::size_t i = 0; i < kinds.size(); ++i) rows.push_back({kinds[i].name, summarize(samples[i])});
 
   // Baseline: a 1 ms polling loop on the status.

@@ -9,7 +9,6 @@
 #include <cstdio>
 #include <memory>
 #include <mutex>
-#include <random>
 #include <thread>
 #include <vector>
 
@@ -174,9 +173,8 @@ void run_when_all(const options& opt) {
               static_cast<double>(settle_ns) / 1e6, static_cast<long long>(baseline_deadline.count()));
   std::printf("| N | k | ferry co_await | ferry wait_all | member-by-member baseline | baseline saw "
               "the failure |\n|---|---|---|---|---|---|\n");
-  // Every configuration is measured once per pass, in a new order each pass, passes repeated: drift
-  // in the machine's load, and whatever a round leaves behind for the next (freeing 65536 transfers
-  // is not free), then land on all of them alike.
+  // Every configuration is measured once per pass, in a new order each pass (freeing 65536
+  // transfers is not free, and a fixed order would always charge it to the same row).
   struct config {
     std::size_t n;
     std::size_t k;
@@ -197,19 +195,17 @@ void run_when_all(const options& opt) {
   // N = 64 after only the 2 ms a small batch would need, which shows how much the settle itself moves
   // the result.
   std::vector<double> floor, short_settle;
-  std::vector<std::size_t> order(configs.size());
-  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::mt19937 shuffler(2024);
-  for (int pass = 0; pass < passes; ++pass) {
-    std::shuffle(order.begin(), order.end(), shuffler);
-    for (std::size_t i : order) {
-      config& c = configs[i];
-      c.co.push_back(ferry_round(c.n, c.k, waiter_kind::coroutine, settle_ns));
-      c.blocking.push_back(ferry_round(c.n, c.k, waiter_kind::blocking, settle_ns));
-    }
-    floor.push_back(handoff_round(settle_ns));
-    short_settle.push_back(ferry_round(64, 63, waiter_kind::coroutine, settle_for(1)));
-  }
+  in_shuffled_passes(
+      configs.size(), passes,
+      [&](std::size_t i) {
+        config& c = configs[i];
+        c.co.push_back(ferry_round(c.n, c.k, waiter_kind::coroutine, settle_ns));
+        c.blocking.push_back(ferry_round(c.n, c.k, waiter_kind::blocking, settle_ns));
+      },
+      [&] {
+        floor.push_back(handoff_round(settle_ns));
+        short_settle.push_back(ferry_round(64, 63, waiter_kind::coroutine, settle_for(1)));
+      });
   double lo = 1e300, hi = 0;
   double lo_b = 1e300, hi_b = 0;
   for (config& c : configs) {
