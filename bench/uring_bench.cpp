@@ -468,8 +468,9 @@ void run_uring(const options& opt) {
   const int target_passes = opt.quick ? 1 : 11;
   test_file f(opt.quick ? (64u << 20) : (512u << 20));
   const bool fio = have_fio();
-  std::printf("\n## io_uring file reads (%s, %zu MiB file, %s; medians of %d interleaved %.1f s "
-              "passes, %d for QD 32; ratios are medians of the ratios within each pass)\n\n",
+  std::printf("\n## io_uring file reads (%s, %zu MiB file, %s; medians over %d passes of %.1f s per "
+              "runner, %d for QD 32, each pass in a new order; ratios are medians of the ratios "
+              "within each pass)\n\n",
               f.direct ? "O_DIRECT" : "buffered: the file system refused O_DIRECT", f.size >> 20,
               fio ? "fio found" : "fio not installed", passes, seconds, target_passes);
   std::printf("| workload | ferry co_await, engine thread | ferry co_await, executor thread | "
@@ -497,20 +498,24 @@ void run_uring(const options& opt) {
     std::vector<double> co_cpu, inl_cpu, default_co_cpu, default_inl_cpu, fio_cpu;
   } tuned;
   std::string spin_table;  // printed under the main table
+  std::mt19937 shuffler(2024);
   for (const workload& w : loads) {
     std::vector<double> co, inl, blocking, raw, fi;
-    // Per pass, each ferry runner against the baselines that ran next to it: the machine's speed
-    // drifts from second to second, and a ratio of two runners a second apart mostly cancels it.
+    // Per pass, each ferry runner against the baselines that ran in the same pass: the machine's
+    // speed drifts from second to second, and a ratio of two runners a few seconds apart cancels
+    // most of it.
     std::vector<double> co_raw, inl_raw, co_fio, inl_fio;
     const bool target_row = w.depth == 32 && w.random;
     const int n = target_row ? target_passes : passes;
     for (int p = 0; p < n; ++p) {
       double c = 0, i = 0, b = 0, rr = 0, ff = 0, tc = 0, ti = 0;
-      // The runners go in a different order every pass, so that none is always the one that runs
-      // right after fio's process starts, or first after a quiet spell.
-      const int runners = target_row ? 7 : 5;
-      for (int slot = 0; slot < runners; ++slot) {
-        switch ((slot + p) % runners) {
+      // The runners go in a new shuffled order every pass, so that none always runs right after
+      // fio's process, next to the same neighbour, or first after a quiet spell.
+      std::vector<int> order(target_row ? 7 : 5);
+      for (std::size_t slot = 0; slot < order.size(); ++slot) order[slot] = static_cast<int>(slot);
+      std::shuffle(order.begin(), order.end(), shuffler);
+      for (const int runner : order) {
+        switch (runner) {
           case 0:
             c = target_row ? with_cpu(tuned.default_co_cpu,
                                       [&] { return ferry_coroutines(r, f, w, seconds); })

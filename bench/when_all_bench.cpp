@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <coroutine>
 #include <cstdio>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -23,7 +24,9 @@ namespace {
 using namespace std::chrono_literals;
 
 struct round_state {
-  std::atomic<bool> waiting{false};
+  std::atomic<bool> waiting{false};             // the waiter is about to register
+  std::atomic<std::int64_t> waiting_since{0};   // when it started registering
+  std::atomic<std::int64_t> registered_at{0};   // coroutine rounds: when registration ended
   std::atomic<bool> finished{false};
   std::atomic<std::int64_t> t0{0};
   double latency = 0;
@@ -32,6 +35,7 @@ struct round_state {
 
 spinning_coroutine await_batch(spinning_scheduler& loop, std::span<const ferry::transfer> ts, round_state& st) {
   (void)loop;
+  st.waiting_since.store(now_ns(), std::memory_order_relaxed);
   st.waiting.store(true, std::memory_order_release);
   const ferry::batch_result r = co_await ferry::when_all(ts, 60s);
   st.latency = static_cast<double>(now_ns() - st.t0.load(std::memory_order_acquire));
@@ -39,24 +43,47 @@ spinning_coroutine await_batch(spinning_scheduler& loop, std::span<const ferry::
   st.finished.store(true, std::memory_order_release);
 }
 
-// How long the failing thread waits before it fails a member: long enough for the waiting side to
-// have registered every member of the largest batch and gone idle. Every row waits the same time,
-// because the wait itself moves the result: on the shared VMs this was measured on, the verdict
-// reaches a waiter that has spun idle for 6 ms more slowly than one idle for 2 ms (the line under
-// the table measures it), so a settle that grew with N would show up as latency growing with N.
-std::int64_t settle_for(std::size_t largest_batch) {
-  return 2'000'000 + static_cast<std::int64_t>(largest_batch) * 60;
-}
+// How long the waiting side idles between the end of its registration and the failure: the same for
+// every row. Measured from the end of registration, not from its start, because the idle time itself
+// moves the result on the shared VMs this was measured on (the lines under the table show how much):
+// a settle counted from the start would leave the largest batches, which take milliseconds to
+// register, the least idle time, and N would be measured together with it.
+constexpr std::int64_t idle_ns = 2'000'000;
 
-void let_it_settle(std::int64_t settle_ns) {
-  const std::int64_t until = now_ns() + settle_ns;
+// How long registering N members took on the coroutine rounds. A blocking wait_all registers the
+// same way but cannot say when it has finished, so its rounds wait this long before the idle starts.
+class registration_times {
+ public:
+  void add(std::int64_t ns) { samples_.push_back(static_cast<double>(ns)); }
+  [[nodiscard]] std::int64_t typical() const {
+    return samples_.empty() ? 0 : static_cast<std::int64_t>(summarize(samples_).p50);
+  }
+
+ private:
+  std::vector<double> samples_;
+};
+
+void spin_for(std::int64_t ns) {
+  const std::int64_t until = now_ns() + ns;
   while (now_ns() < until) {
   }
 }
 
+// Written one store per cache line by the waiting thread before it registers, in one comparison line.
+std::vector<char>& scratch() {
+  static std::vector<char> memory(std::size_t{8} << 20, 1);
+  return memory;
+}
+
 enum class waiter_kind { coroutine, blocking };
 
-double ferry_round(std::size_t n, std::size_t k, waiter_kind kind, std::int64_t settle_ns) {
+struct round_setup {
+  std::int64_t idle = idle_ns;
+  std::size_t dirty_bytes = 0;  // written by the waiting thread just before it registers
+};
+
+double ferry_round(std::size_t n, std::size_t k, waiter_kind kind, registration_times& registration,
+                   round_setup setup = {}) {
   std::vector<ferry::transfer> ts;
   std::vector<ferry::completer> cs;
   ts.reserve(n);
@@ -67,14 +94,20 @@ double ferry_round(std::size_t n, std::size_t k, waiter_kind kind, std::int64_t 
     cs.push_back(std::move(c));
   }
   round_state st;
+  std::vector<char>& dirty = scratch();
   const pinned_scope pinned(0);
   std::thread waiter([&] {
     pin_to(1);
+    for (std::size_t i = 0; i < setup.dirty_bytes && i < dirty.size(); i += 64) {
+      dirty[i] = static_cast<char>(i);
+    }
     if (kind == waiter_kind::coroutine) {
       spinning_scheduler loop;
-      await_batch(loop, ts, st);
+      await_batch(loop, ts, st);  // returns once registered and suspended
+      st.registered_at.store(now_ns(), std::memory_order_release);
       loop.run_until(st.finished);
     } else {
+      st.waiting_since.store(now_ns(), std::memory_order_relaxed);
       st.waiting.store(true, std::memory_order_release);
       const auto r = ferry::wait_all(ts, 60s);
       st.latency = static_cast<double>(now_ns() - st.t0.load(std::memory_order_acquire));
@@ -82,8 +115,16 @@ double ferry_round(std::size_t n, std::size_t k, waiter_kind kind, std::int64_t 
       st.finished.store(true, std::memory_order_release);
     }
   });
-  spin_until(st.waiting);
-  let_it_settle(settle_ns);
+  if (kind == waiter_kind::coroutine) {
+    while (st.registered_at.load(std::memory_order_acquire) == 0) {
+    }
+    registration.add(st.registered_at.load(std::memory_order_relaxed) -
+                     st.waiting_since.load(std::memory_order_relaxed));
+    spin_for(setup.idle);
+  } else {
+    spin_until(st.waiting);
+    spin_for(registration.typical() + setup.idle);
+  }
   st.t0.store(now_ns(), std::memory_order_release);
   cs[k].fail(std::make_error_code(std::errc::io_error));
   waiter.join();
@@ -101,7 +142,7 @@ struct cv_member {
 };
 
 double baseline_round(std::size_t n, std::size_t k, std::chrono::milliseconds deadline,
-                      std::int64_t settle_ns, bool& saw_failure) {
+                      bool& saw_failure) {
   std::vector<std::unique_ptr<cv_member>> members;
   members.reserve(n);
   for (std::size_t i = 0; i < n; ++i) members.push_back(std::make_unique<cv_member>());
@@ -125,7 +166,7 @@ double baseline_round(std::size_t n, std::size_t k, std::chrono::milliseconds de
     latency = static_cast<double>(now_ns() - t0.load(std::memory_order_acquire));
   });
   spin_until(waiting);
-  let_it_settle(settle_ns);
+  spin_for(idle_ns);
   t0.store(now_ns(), std::memory_order_release);
   {
     std::lock_guard lock(members[k]->m);
@@ -138,8 +179,8 @@ double baseline_round(std::size_t n, std::size_t k, std::chrono::milliseconds de
 }
 
 // The floor under this table: one word handed from the failing thread to the waiting one, after
-// the same settle.
-double handoff_round(std::int64_t settle_ns) {
+// the same idle time.
+double handoff_round() {
   std::atomic<bool> ready{false};
   std::atomic<int> slot{0};
   std::atomic<std::int64_t> t0{0};
@@ -153,7 +194,7 @@ double handoff_round(std::int64_t settle_ns) {
     latency = static_cast<double>(now_ns() - t0.load(std::memory_order_acquire));
   });
   spin_until(ready);
-  let_it_settle(settle_ns);
+  spin_for(idle_ns);
   t0.store(now_ns(), std::memory_order_release);
   slot.store(1, std::memory_order_release);
   waiter.join();
@@ -166,15 +207,12 @@ void run_when_all(const options& opt) {
   const std::vector<std::size_t> sizes = {1, 64, 4096, 65536};
   const auto baseline_deadline = std::chrono::milliseconds(opt.quick ? 20 : 50);
   std::printf("\n## when_all verdict latency after a failure at index k of N pending members\n\n");
-  const std::int64_t settle_ns = settle_for(sizes.back());
-  std::printf("Medians over interleaved passes; the member fails %.1f ms after the waiter started "
-              "registering, whatever N; the baseline waits member by member with a %lld ms shared "
-              "deadline.\n\n",
-              static_cast<double>(settle_ns) / 1e6, static_cast<long long>(baseline_deadline.count()));
+  std::printf("Medians over interleaved passes; in every row the member fails %.1f ms after the "
+              "waiter finished registering; the baseline waits member by member with a %lld ms "
+              "shared deadline.\n\n",
+              static_cast<double>(idle_ns) / 1e6, static_cast<long long>(baseline_deadline.count()));
   std::printf("| N | k | ferry co_await | ferry wait_all | member-by-member baseline | baseline saw "
               "the failure |\n|---|---|---|---|---|---|\n");
-  // Every configuration is measured once per pass, in a new order each pass (freeing 65536
-  // transfers is not free, and a fixed order would always charge it to the same row).
   struct config {
     std::size_t n;
     std::size_t k;
@@ -186,25 +224,33 @@ void run_when_all(const options& opt) {
     ks.erase(std::unique(ks.begin(), ks.end()), ks.end());
     for (std::size_t k : ks) configs.push_back({n, k, {}, {}});
   }
-  for (config& c : configs) {  // warm-up: pools, pages, the timer thread
-    (void)ferry_round(c.n, c.k, waiter_kind::coroutine, settle_ns);
-    (void)ferry_round(c.n, c.k, waiter_kind::blocking, settle_ns);
+  std::map<std::size_t, registration_times> registration;  // by N
+  for (config& c : configs) {  // warm-up: pools, pages, the timer thread, registration times
+    (void)ferry_round(c.n, c.k, waiter_kind::coroutine, registration[c.n]);
+    (void)ferry_round(c.n, c.k, waiter_kind::blocking, registration[c.n]);
   }
   const int passes = opt.quick ? 5 : 21;
-  // Measured in the same passes, outside the sweep: the bare handoff after the same settle, and
-  // N = 64 after only the 2 ms a small batch would need, which shows how much the settle itself moves
-  // the result.
-  std::vector<double> floor, short_settle;
+  // Measured in the same passes, outside the sweep: the bare handoff after the same idle time; and
+  // N = 64 twice more, once idle three times as long, once after the waiting thread wrote 8 MiB
+  // (about what registering 65536 members writes), to show what each does to the result.
+  constexpr std::int64_t long_idle_ns = 3 * idle_ns;
+  constexpr std::size_t dirty_bytes = std::size_t{8} << 20;
+  std::vector<double> floor, long_idle, after_writes;
+  // Every configuration is measured once per pass, in a new order each pass (freeing 65536
+  // transfers is not free, and a fixed order would always charge it to the same row).
   in_shuffled_passes(
       configs.size(), passes,
       [&](std::size_t i) {
         config& c = configs[i];
-        c.co.push_back(ferry_round(c.n, c.k, waiter_kind::coroutine, settle_ns));
-        c.blocking.push_back(ferry_round(c.n, c.k, waiter_kind::blocking, settle_ns));
+        c.co.push_back(ferry_round(c.n, c.k, waiter_kind::coroutine, registration[c.n]));
+        c.blocking.push_back(ferry_round(c.n, c.k, waiter_kind::blocking, registration[c.n]));
       },
       [&] {
-        floor.push_back(handoff_round(settle_ns));
-        short_settle.push_back(ferry_round(64, 63, waiter_kind::coroutine, settle_for(1)));
+        floor.push_back(handoff_round());
+        long_idle.push_back(ferry_round(64, 63, waiter_kind::coroutine, registration[64],
+                                        round_setup{long_idle_ns, 0}));
+        after_writes.push_back(ferry_round(64, 63, waiter_kind::coroutine, registration[64],
+                                           round_setup{idle_ns, dirty_bytes}));
       });
   double lo = 1e300, hi = 0;
   double lo_b = 1e300, hi_b = 0;
@@ -212,7 +258,7 @@ void run_when_all(const options& opt) {
     bool saw = false;
     std::vector<double> base;
     for (int r = 0; r < (opt.quick ? 1 : 3); ++r) {
-      base.push_back(baseline_round(c.n, c.k, baseline_deadline, settle_ns, saw));
+      base.push_back(baseline_round(c.n, c.k, baseline_deadline, saw));
     }
     const double c50 = summarize(c.co).p50;
     const double b50 = summarize(c.blocking).p50;
@@ -225,10 +271,14 @@ void run_when_all(const options& opt) {
                 saw ? "yes" : "no (timed out)");
   }
   std::printf("\nMeasured in the same passes: a bare one-word handoff between the same two threads "
-              "after the same settle takes %s; ferry co_await with N = 64, k = 63 takes %s when the "
-              "member fails after %.1f ms instead of %.1f ms.\n",
-              human_ns(summarize(floor).p50).c_str(), human_ns(summarize(short_settle).p50).c_str(),
-              static_cast<double>(settle_for(1)) / 1e6, static_cast<double>(settle_ns) / 1e6);
+              "after the same idle time takes %s. ferry co_await with N = 64, k = 63 takes %s when "
+              "the waiter idles %.1f ms instead of %.1f ms, and %s when the waiting thread first "
+              "wrote %zu MiB. Registering took %s for N = %zu (median).\n",
+              human_ns(summarize(floor).p50).c_str(), human_ns(summarize(long_idle).p50).c_str(),
+              static_cast<double>(long_idle_ns) / 1e6, static_cast<double>(idle_ns) / 1e6,
+              human_ns(summarize(after_writes).p50).c_str(), dirty_bytes >> 20,
+              human_ns(static_cast<double>(registration[sizes.back()].typical())).c_str(),
+              sizes.back());
   char buf[128];
   std::snprintf(buf, sizeof buf, "max/min %.2f (co_await), %.2f (wait_all)", hi / lo, hi_b / lo_b);
   report_target("short-circuit latency flat in k and N (max/min <= 2)", buf, hi / lo <= 2.0);
