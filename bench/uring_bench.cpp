@@ -548,7 +548,7 @@ void run_uring(const options& opt) {
       inl.push_back(i);
       blocking.push_back(b);
       raw.push_back(rr);
-      if (fio) fi.push_back(ff);
+      if (ff > 0) fi.push_back(ff);  // a failed fio run says nothing about fio
       if (rr > 0) {
         co_raw.push_back(c / rr);
         inl_raw.push_back(i / rr);
