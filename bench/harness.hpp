@@ -158,4 +158,11 @@ inline void spin_until(const std::atomic<bool>& flag) {
   }
 }
 
+// Spins, without sleeping, for `ns` nanoseconds.
+inline void busy_wait_ns(std::int64_t ns) {
+  const std::int64_t until = now_ns() + ns;
+  while (now_ns() < until) {
+  }
+}
+
 }  // namespace ferry_bench

@@ -27,12 +27,6 @@ struct handshake {
   std::atomic<std::int64_t> t0{0};
 };
 
-void busy_wait_ns(std::int64_t ns) {
-  const std::int64_t until = now_ns() + ns;
-  while (now_ns() < until) {
-  }
-}
-
 // Runs `iterations` rounds: the waiter side calls wait_side(i) (which must set h.waiting just before it
 // blocks, and return the latency it measured); the completer side sleeps a little once the waiter is
 // blocked, stamps t0 and calls complete(i).

@@ -464,7 +464,7 @@ void run_uring(const options& opt) {
   const double seconds = opt.quick ? 0.2 : 1.0;
   const int passes = opt.quick ? 1 : 3;
   // The row the targets are read from gets more passes: on a shared machine fio alone moves by
-  // 10% from one second to the next.
+  // up to 30% from one second to the next.
   const int target_passes = opt.quick ? 1 : 11;
   test_file f(opt.quick ? (64u << 20) : (512u << 20));
   const bool fio = have_fio();
@@ -493,10 +493,11 @@ void run_uring(const options& opt) {
   tuned_options.spin_budget = tuned_executor_spin;
   ferry::progress_executor tuned_exec(tuned_options);
   uring::ring tuned_r(tuned_exec, uring::ring_options{.entries = 256});
-  struct tuned_results {
+  // What the QD 32 row also records: the longer-spin runners and the CPUs every runner kept busy.
+  struct spin_rows {
     std::vector<double> co, inl, co_fio, inl_fio;
     std::vector<double> co_cpu, inl_cpu, default_co_cpu, default_inl_cpu, fio_cpu;
-  } tuned;
+  } spins;
   std::string spin_table;  // printed under the main table
   std::mt19937 shuffler(2024);
   for (const workload& w : loads) {
@@ -517,12 +518,12 @@ void run_uring(const options& opt) {
       for (const int runner : order) {
         switch (runner) {
           case 0:
-            c = target_row ? with_cpu(tuned.default_co_cpu,
+            c = target_row ? with_cpu(spins.default_co_cpu,
                                       [&] { return ferry_coroutines(r, f, w, seconds); })
                            : ferry_coroutines(r, f, w, seconds);
             break;
           case 1:
-            i = target_row ? with_cpu(tuned.default_inl_cpu,
+            i = target_row ? with_cpu(spins.default_inl_cpu,
                                       [&] { return ferry_inline(r, f, w, seconds); })
                            : ferry_inline(r, f, w, seconds);
             break;
@@ -531,16 +532,16 @@ void run_uring(const options& opt) {
           case 4: {
             double cpu = 0;
             ff = fio ? fio_iops(f, w, seconds, &cpu) : 0;
-            if (target_row && ff > 0) tuned.fio_cpu.push_back(cpu);
+            if (target_row && ff > 0) spins.fio_cpu.push_back(cpu);
             break;
           }
           case 5:
-            tc = with_cpu(tuned.co_cpu, [&] {
+            tc = with_cpu(spins.co_cpu, [&] {
               return ferry_coroutines(tuned_r, f, w, seconds, tuned_loop_spin);
             });
             break;
           default:
-            ti = with_cpu(tuned.inl_cpu, [&] { return ferry_inline(tuned_r, f, w, seconds); });
+            ti = with_cpu(spins.inl_cpu, [&] { return ferry_inline(tuned_r, f, w, seconds); });
             break;
         }
       }
@@ -558,11 +559,11 @@ void run_uring(const options& opt) {
         inl_fio.push_back(i / ff);
       }
       if (target_row) {
-        tuned.co.push_back(tc);
-        tuned.inl.push_back(ti);
+        spins.co.push_back(tc);
+        spins.inl.push_back(ti);
         if (ff > 0) {
-          tuned.co_fio.push_back(tc / ff);
-          tuned.inl_fio.push_back(ti / ff);
+          spins.co_fio.push_back(tc / ff);
+          spins.inl_fio.push_back(ti / ff);
         }
       }
     }
@@ -570,22 +571,23 @@ void run_uring(const options& opt) {
     auto show = [&](double v) {
       return big ? rate(v * static_cast<double>(w.block)) + "B/s" : rate(v) + " IOPS";
     };
-    auto ratio = [](const std::vector<double>& paired) {
+    // A median to two places: of per-pass ratios, or of CPUs kept busy.
+    auto median_text = [](const std::vector<double>& v) {
       char out[32];
-      std::snprintf(out, sizeof out, "%.2f", median_of(paired));
+      std::snprintf(out, sizeof out, "%.2f", median_of(v));
       return std::string(out);
     };
     std::printf("| %s | %s | %s | %s | %s | %s | %s / %s | %s / %s |\n", w.name,
                 show(median_of(co)).c_str(), show(median_of(inl)).c_str(),
                 show(median_of(blocking)).c_str(), show(median_of(raw)).c_str(),
-                fio ? show(median_of(fi)).c_str() : "-", ratio(co_raw).c_str(),
-                ratio(inl_raw).c_str(), fio ? ratio(co_fio).c_str() : "-",
-                fio ? ratio(inl_fio).c_str() : "-");
+                fio ? show(median_of(fi)).c_str() : "-", median_text(co_raw).c_str(),
+                median_text(inl_raw).c_str(), fio ? median_text(co_fio).c_str() : "-",
+                fio ? median_text(inl_fio).c_str() : "-");
     if (target_row) {
       auto spread = [&](std::vector<double> paired) {
         std::sort(paired.begin(), paired.end());
         char out[96];
-        std::snprintf(out, sizeof out, "%sx (passes %.2f-%.2f)", ratio(paired).c_str(),
+        std::snprintf(out, sizeof out, "%sx (passes %.2f-%.2f)", median_text(paired).c_str(),
                       paired.empty() ? 0.0 : paired.front(), paired.empty() ? 0.0 : paired.back());
         return std::string(out);
       };
@@ -599,11 +601,6 @@ void run_uring(const options& opt) {
         report_target("io_uring 4 KiB random reads, QD 32, co_await on the executor: >= 100% of "
                       "fio", spread(inl_fio), !inl_fio.empty() && median_of(inl_fio) >= 1.0);
       }
-      auto cpus = [](const std::vector<double>& v) {
-        char out[32];
-        std::snprintf(out, sizeof out, "%.2f", median_of(v));
-        return std::string(out);
-      };
       char line[512];
       std::snprintf(line, sizeof line,
                     "\nQD 32 with the default idle spins (executor %lld us, run_loop %lld us) and "
@@ -618,18 +615,20 @@ void run_uring(const options& opt) {
       spin_table = line;
       std::snprintf(line, sizeof line, "| default | %s | %s | %s | %s | %s / %s |\n",
                     show(median_of(co)).c_str(), show(median_of(inl)).c_str(),
-                    fio ? ratio(co_fio).c_str() : "-", fio ? ratio(inl_fio).c_str() : "-",
-                    cpus(tuned.default_co_cpu).c_str(), cpus(tuned.default_inl_cpu).c_str());
+                    fio ? median_text(co_fio).c_str() : "-",
+                    fio ? median_text(inl_fio).c_str() : "-",
+                    median_text(spins.default_co_cpu).c_str(),
+                    median_text(spins.default_inl_cpu).c_str());
       spin_table += line;
       std::snprintf(line, sizeof line, "| longer | %s | %s | %s | %s | %s / %s |\n",
-                    show(median_of(tuned.co)).c_str(), show(median_of(tuned.inl)).c_str(),
-                    fio ? ratio(tuned.co_fio).c_str() : "-",
-                    fio ? ratio(tuned.inl_fio).c_str() : "-", cpus(tuned.co_cpu).c_str(),
-                    cpus(tuned.inl_cpu).c_str());
+                    show(median_of(spins.co)).c_str(), show(median_of(spins.inl)).c_str(),
+                    fio ? median_text(spins.co_fio).c_str() : "-",
+                    fio ? median_text(spins.inl_fio).c_str() : "-",
+                    median_text(spins.co_cpu).c_str(), median_text(spins.inl_cpu).c_str());
       spin_table += line;
       if (fio) {
         std::snprintf(line, sizeof line, "\nfio's job kept %s CPUs busy in the same passes.\n",
-                      cpus(tuned.fio_cpu).c_str());
+                      median_text(spins.fio_cpu).c_str());
         spin_table += line;
       }
     }

@@ -25,7 +25,7 @@ using namespace std::chrono_literals;
 
 struct round_state {
   std::atomic<bool> waiting{false};             // the waiter is about to register
-  std::atomic<std::int64_t> waiting_since{0};   // when it started registering
+  std::atomic<std::int64_t> waiting_since{0};   // coroutine rounds: when registration began
   std::atomic<std::int64_t> registered_at{0};   // coroutine rounds: when registration ended
   std::atomic<bool> finished{false};
   std::atomic<std::int64_t> t0{0};
@@ -62,12 +62,6 @@ class registration_times {
  private:
   std::vector<double> samples_;
 };
-
-void spin_for(std::int64_t ns) {
-  const std::int64_t until = now_ns() + ns;
-  while (now_ns() < until) {
-  }
-}
 
 // Written one store per cache line by the waiting thread right after it registers, in one comparison
 // line: about what registering 65536 members writes, left just as fresh in the cache.
@@ -108,7 +102,6 @@ double ferry_round(std::size_t n, std::size_t k, waiter_kind kind, registration_
       st.registered_at.store(now_ns(), std::memory_order_release);
       loop.run_until(st.finished);
     } else {
-      st.waiting_since.store(now_ns(), std::memory_order_relaxed);
       st.waiting.store(true, std::memory_order_release);
       const auto r = ferry::wait_all(ts, 60s);
       st.latency = static_cast<double>(now_ns() - st.t0.load(std::memory_order_acquire));
@@ -121,10 +114,10 @@ double ferry_round(std::size_t n, std::size_t k, waiter_kind kind, registration_
     }
     registration.add(st.registered_at.load(std::memory_order_relaxed) -
                      st.waiting_since.load(std::memory_order_relaxed));
-    spin_for(setup.idle);
+    busy_wait_ns(setup.idle);
   } else {
     spin_until(st.waiting);
-    spin_for(registration.typical() + setup.idle);
+    busy_wait_ns(registration.typical() + setup.idle);
   }
   st.t0.store(now_ns(), std::memory_order_release);
   cs[k].fail(std::make_error_code(std::errc::io_error));
@@ -167,7 +160,7 @@ double baseline_round(std::size_t n, std::size_t k, std::chrono::milliseconds de
     latency = static_cast<double>(now_ns() - t0.load(std::memory_order_acquire));
   });
   spin_until(waiting);
-  spin_for(idle_ns);
+  busy_wait_ns(idle_ns);
   t0.store(now_ns(), std::memory_order_release);
   {
     std::lock_guard lock(members[k]->m);
@@ -195,7 +188,7 @@ double handoff_round() {
     latency = static_cast<double>(now_ns() - t0.load(std::memory_order_acquire));
   });
   spin_until(ready);
-  spin_for(idle_ns);
+  busy_wait_ns(idle_ns);
   t0.store(now_ns(), std::memory_order_release);
   slot.store(1, std::memory_order_release);
   waiter.join();
