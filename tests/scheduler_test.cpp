@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include <atomic>
+#include <random>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -134,6 +135,83 @@ TEST_CASE("run_loop wakes a sleeping run() for work posted from another thread",
     hop_rounds(engine, 1000, 0us);
     hop_rounds(engine, 50, 1000us);
   }
+}
+
+TEST_CASE("run_loop: posts from several threads to a loop that keeps falling asleep all run",
+          "[scheduler][concurrency]") {
+  // A loop that sleeps at once, posted to from four threads at irregular moments: each post may
+  // land just before the loop registers as a sleeper, just after, or while an earlier post's wake
+  // is still on its way. A wake that is claimed but never delivered leaves the loop asleep with
+  // work queued, and the count below stops short.
+  constexpr int posters = 4;
+  constexpr int per_poster = 5000;
+  engine_thread engine(0ns);
+  std::atomic<int> ran{0};
+  std::vector<std::thread> threads;
+  for (int p = 0; p < posters; ++p) {
+    threads.emplace_back([&, p] {
+      std::minstd_rand pause(static_cast<unsigned>(p + 1));
+      for (int i = 0; i < per_poster; ++i) {
+        [](ferry::run_loop& l, std::atomic<int>& count) -> detached {
+          co_await hop{l};
+          count.fetch_add(1, std::memory_order_relaxed);
+        }(engine.loop(), ran);
+        // Mostly back to back, now and then long enough for the loop to go to sleep.
+        if (pause() % 8 == 0) std::this_thread::sleep_for(std::chrono::microseconds(pause() % 50));
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  const auto deadline = clock_type::now() + 60s;
+  while (ran.load() != posters * per_poster && clock_type::now() < deadline) {
+    std::this_thread::sleep_for(1ms);
+  }
+  REQUIRE(ran.load() == posters * per_poster);
+}
+
+TEST_CASE("run_loop: a stop racing with the loop going to sleep always ends run()",
+          "[scheduler][concurrency]") {
+  // Each stop lands at a different point of a loop that sleeps at once: before it looks at the
+  // queue, while it registers as a sleeper, or once it sleeps. A stop lost there leaves run() asleep.
+  constexpr int rounds = 20000;
+  ferry::run_loop loop(0ns);
+  std::atomic<int> runs_ended{0};
+  std::atomic<bool> give_up{false};
+  std::atomic<bool> finished{false};
+  std::thread runner([&] {
+    for (int i = 0; i < rounds && !give_up.load(); ++i) {
+      loop.run();
+      runs_ended.fetch_add(1);
+    }
+    finished.store(true);
+  });
+  std::minstd_rand pause(7);
+  int ended = 0;
+  for (int i = 0; i < rounds; ++i) {
+    // A busy look (yielding if the runner is off its CPU), so that the pause below starts as the
+    // runner heads back into run(); the pause then spreads the stops over the few hundred
+    // nanoseconds it takes to reach the futex.
+    for (int look = 0; runs_ended.load() != i; ++look) {
+      if (look < 1000) {
+        ferry::detail::cpu_relax();
+      } else {
+        std::this_thread::yield();
+      }
+    }
+    for (unsigned spin = pause() % 64; spin != 0; --spin) ferry::detail::cpu_relax();
+    loop.stop();
+    const auto deadline = clock_type::now() + 60s;
+    while (runs_ended.load() == i && clock_type::now() < deadline) std::this_thread::yield();
+    ended = runs_ended.load();
+    if (ended != i + 1) break;
+  }
+  give_up.store(true);
+  while (!finished.load()) {  // lets a failed round's runner finish, so that it can be joined
+    loop.stop();
+    std::this_thread::sleep_for(1ms);
+  }
+  runner.join();
+  CHECK(ended == rounds);
 }
 
 TEST_CASE("run_loop: an idle loop's spin ends early for work and for stop", "[scheduler]") {

@@ -4,6 +4,9 @@
 // An idle loop looks at its queue for a short while (50 µs by default) before it sleeps: completions
 // that come in bursts a few microseconds apart then continue without a futex wake each, and on a
 // virtual machine without the vCPU halting and being woken again, which costs tens of microseconds.
+//
+// A sleeping loop is woken once per sleep: the first post to find it registered claims the wake, so
+// a burst of completions posted to it while it wakes up costs one futex call, not one each.
 
 #include <atomic>
 #include <chrono>
@@ -34,15 +37,15 @@ class run_loop {
 
   [[nodiscard]] std::chrono::nanoseconds spin() const noexcept { return spin_; }
 
-  // Any thread. Wakes the running thread only if it sleeps.
+  // Any thread. Wakes the running thread only if it sleeps, and only the first post to find it so.
   void post(std::coroutine_handle<> h) {
+    bool wake = false;
     {
       std::lock_guard lock(mutex_);
       push(h);
+      wake = claim_sleepers();
     }
-    // The sleeper registers under mutex_ before it checks the queue, so this load, made after our
-    // own lock was taken, sees it (see wait_for_work).
-    if (sleepers_.load(std::memory_order_acquire) != 0) signal();
+    if (wake) detail::futex_wake_all(epoch_);
   }
 
   // Runs posted work until stop(); the stop is consumed, so run() may be called again.
@@ -75,9 +78,13 @@ class run_loop {
   }
 
   // Ends the current run() (or the next, if none is running). Any thread.
+  // Takes no lock (so a signal handler may call it): it moves the epoch without claiming the
+  // sleepers, whose registrations then stay counted until the next post claims them (one futex call
+  // that wakes nobody).
   void stop() noexcept {
     stop_.store(true, std::memory_order_release);
-    signal();
+    epoch_.fetch_add(1, std::memory_order_release);
+    detail::futex_wake_all(epoch_);
   }
 
   [[nodiscard]] std::size_t size() const {
@@ -91,9 +98,14 @@ class run_loop {
            stop_.exchange(false, std::memory_order_acq_rel);
   }
 
-  void signal() noexcept {
-    epoch_.fetch_add(1, std::memory_order_release);
-    detail::futex_wake_all(epoch_);
+  // Under mutex_. Takes every registered sleeper for one wake, which the caller then makes: the
+  // epoch moves on, so a sleeper that has not reached the futex yet will not sleep there. Posts that
+  // find nothing to claim rely on that one call, even if its poster is descheduled before making it.
+  bool claim_sleepers() noexcept {
+    if (sleepers_ == 0) return false;
+    sleepers_ = 0;
+    epoch_.fetch_add(1, std::memory_order_relaxed);
+    return true;
   }
 
   // True when work (or a stop) arrived while spinning.
@@ -112,17 +124,23 @@ class run_loop {
     }
   }
 
+  // The epoch is read first: a stop() (which takes no lock) that lands after this read moves it, and
+  // one that landed before is seen in stop_. A post cannot slip in unseen either: it queues under
+  // mutex_, where this thread looks at the queue, and claims under it too.
   void wait_for_work() {
     if (spin_for_work()) return;
     const std::uint32_t epoch = epoch_.load(std::memory_order_acquire);
     {
       std::lock_guard lock(mutex_);
-      if (count_ != 0) return;
-      sleepers_.fetch_add(1, std::memory_order_relaxed);
+      if (count_ != 0 || stop_.load(std::memory_order_acquire)) return;
+      ++sleepers_;
     }
-    // A post after our check bumps epoch_, so the futex returns at once instead of sleeping.
-    if (!stop_.load(std::memory_order_acquire)) detail::futex_wait(epoch_, epoch);
-    sleepers_.fetch_sub(1, std::memory_order_relaxed);
+    detail::futex_wait(epoch_, epoch);
+    std::lock_guard lock(mutex_);
+    // Unchanged epoch: nothing claimed this registration or stopped (the futex returned on a signal).
+    // Changed: a post claimed it, or a stop() or a claim made before it registered moved the epoch;
+    // the count then stays high, which costs the next post one futex call and nothing else.
+    if (epoch_.load(std::memory_order_relaxed) == epoch) --sleepers_;
   }
 
   // A growable ring: no allocation once it has reached its working size.
@@ -157,8 +175,9 @@ class run_loop {
   // count_ mirrored for the idle spin, which looks without the lock (a hint: pop() decides).
   std::atomic<std::size_t> queued_{0};
   std::chrono::nanoseconds spin_ = default_spin;
-  std::atomic<std::uint32_t> sleepers_{0};
-  std::atomic<std::uint32_t> epoch_{0};
+  // Under mutex_: at least the number of sleepers no post has claimed yet (stop() leaves it high).
+  std::uint32_t sleepers_ = 0;
+  std::atomic<std::uint32_t> epoch_{0};  // the futex word: moved by every claim and every stop()
   std::atomic<bool> stop_{false};
 };
 
