@@ -116,6 +116,43 @@ TEST_CASE("uring: batched reads and writes give one transfer per block", "[uring
                     Catch::Contains("holds 63 transfers for 64 blocks"));
 }
 
+TEST_CASE("uring: one submission call carries at most submit_batch requests",
+          "[uring][concurrency]") {
+  FERRY_REQUIRE_URING();
+  temp_dir dir;
+  fd_guard fd(open_file(dir.file("chunks")));
+  constexpr std::size_t n = 16;
+  constexpr std::size_t block = 4096;
+  const std::vector<std::byte> data = byte_pattern(n * block, 3);
+  REQUIRE(::pwrite(fd.get(), data.data(), data.size(), 0) == static_cast<ssize_t>(data.size()));
+  // A read_batch is published with one CAS, so the executor takes all of it in one round; only
+  // submit_batch then splits it into calls.
+  struct split {
+    unsigned submit_batch;
+    std::uint64_t calls;
+  };
+  for (const split& want : {split{1, 16}, split{2, 8}, split{5, 4}, split{0, 1}}) {
+    INFO("submit_batch " << want.submit_batch);
+    ferry::progress_executor exec;
+    uring::ring_options options;
+    options.submit_batch = want.submit_batch;
+    uring::ring r(exec, options);
+    std::vector<std::byte> back(n * block);
+    std::vector<uring::read_block> reads;
+    for (std::size_t i = 0; i < n; ++i) {
+      reads.push_back({std::span(back).subspan(i * block, block), i * block});
+    }
+    std::vector<ferry::transfer> rt(n);
+    r.read_batch(fd.get(), reads, rt);
+    REQUIRE(ferry::wait_all(rt, hang_bound).verdict == verdict::success);
+    CHECK(back == data);
+    const uring::ring_counters c = r.counters();
+    REQUIRE(c.resubmitted == 0);  // a short read would add calls of its own
+    CHECK(c.submitted == n);
+    CHECK(c.submit_calls == want.calls);
+  }
+}
+
 TEST_CASE("uring: O_DIRECT reads and writes with aligned buffers", "[uring][concurrency]") {
   FERRY_REQUIRE_URING();
   temp_dir dir;

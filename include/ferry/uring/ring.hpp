@@ -4,9 +4,14 @@
 //
 // Submission. Any thread prepares an operation (a pooled `op`), then publishes it last with one CAS
 // onto a lock-free stack. Only the executor thread touches the ring itself: it takes the whole stack
-// with one exchange, turns it into SQEs and submits them with one io_uring_enter per round, so calls
-// from many threads are batched without a lock and the ring needs no locking at all. The submitter
-// then calls progress_executor::notify(), which writes the executor's eventfd only if it has parked.
+// with one exchange and turns it into SQEs, so calls from many threads are gathered without a lock
+// and the ring needs no locking at all. The submitter then calls progress_executor::notify(), which
+// writes the executor's eventfd only if it has parked.
+//
+// One io_uring_enter carries at most ring_options::submit_batch SQEs (two by default). The kernel
+// plugs the block layer for a call that carries more than two, and a plugged request reaches the
+// device only once the whole call has been prepared: the first of twelve reads waits for the
+// other eleven. Requests that go out as they are ready keep a device busier than lumps do.
 //
 // Completion. The executor reaps CQEs in batches. A short read or write is resubmitted for the
 // remainder; a read that hits the end of the file fails with errc::end_of_file, so partial data is
@@ -56,10 +61,13 @@ namespace ferry::uring {
 // character devices).
 inline constexpr std::uint64_t current_position = ~std::uint64_t{0};
 
-// Only the size is configurable: ferry's threading (the executor submits, any thread may destroy)
-// rules out SQPOLL, SINGLE_ISSUER and the deferred task-work modes.
+// ferry's threading (the executor submits, any thread may destroy) rules out SQPOLL, SINGLE_ISSUER
+// and the deferred task-work modes, so only sizes are configurable.
 struct ring_options {
   unsigned entries = 256;  // submission queue entries; the completion queue gets twice as many
+  // The most SQEs one io_uring_enter carries; 0 for no limit (one call per executor round). Up to
+  // two, the kernel does not plug the block layer, so each request reaches the device at once.
+  unsigned submit_batch = 2;
 };
 
 // A descriptor registered with ring::register_files.
@@ -105,6 +113,7 @@ struct received_block {
 
 struct ring_counters {
   std::uint64_t submitted = 0;    // SQEs handed to the kernel, resubmissions and cancels included
+  std::uint64_t submit_calls = 0;  // io_uring_enter calls that handed over SQEs
   std::uint64_t completed = 0;    // CQEs reaped
   std::uint64_t resubmitted = 0;  // short reads and writes continued
   std::uint64_t backlogged = 0;   // operations that waited because the ring was full
@@ -280,6 +289,7 @@ class ring {
                                   std::to_string(options.entries) + " entries)");
     }
     limit_ = params.cq_entries;
+    submit_batch_ = options.submit_batch;
     cancel_room_ = std::max(1u, limit_ / 8);
     receive_room_ = std::max(1u, (limit_ - cancel_room_) / 2);
     try {
@@ -394,7 +404,7 @@ class ring {
   }
 
   // Many blocks at once, one transfer each (out[i] for blocks[i]), published with one CAS and
-  // submitted with one system call.
+  // submitted in calls of ring_options::submit_batch.
   void read_batch(file_ref file, std::span<const read_block> blocks, std::span<transfer> out) {
     submit_batch(detail::op_kind::read, file, blocks.size(), out, [&](std::size_t i) {
       return std::pair<std::byte*, std::size_t>{blocks[i].dst.data(), blocks[i].dst.size()};
@@ -459,6 +469,7 @@ class ring {
   [[nodiscard]] ring_counters counters() const noexcept {
     ring_counters c;
     c.submitted = submitted_.load(std::memory_order_relaxed);
+    c.submit_calls = submit_calls_.load(std::memory_order_relaxed);
     c.completed = completed_.load(std::memory_order_relaxed);
     c.resubmitted = resubmitted_.load(std::memory_order_relaxed);
     c.backlogged = backlogged_.load(std::memory_order_relaxed);
@@ -667,7 +678,10 @@ class ring {
     const unsigned ready = ::io_uring_sq_ready(&ring_);
     if (ready == 0) return;
     const int r = ::io_uring_submit(&ring_);
-    if (r > 0) submitted_.fetch_add(static_cast<std::uint64_t>(r), std::memory_order_relaxed);
+    if (r > 0) {
+      submitted_.fetch_add(static_cast<std::uint64_t>(r), std::memory_order_relaxed);
+      submit_calls_.fetch_add(1, std::memory_order_relaxed);
+    }
   }
 
   // Prepares an SQE for `o` if both the CQ bound and the SQ allow it.
@@ -687,6 +701,7 @@ class ring {
     if (sqe == nullptr) return false;
     prepare(sqe, o);
     ::io_uring_sqe_set_data(sqe, o);
+    if (submit_batch_ != 0 && ::io_uring_sq_ready(&ring_) >= submit_batch_) flush();
     if (o->kind == op_kind::cancel) {
       ++cancels_in_flight_;
     } else {
@@ -1242,6 +1257,7 @@ class ring {
   progress_executor& exec_;
   io_uring ring_{};
   unsigned limit_ = 0;
+  unsigned submit_batch_ = 2;
 
   // Submitters push here; the executor takes the whole stack at once.
   ferry::detail::submission_stack<op> incoming_;
@@ -1263,6 +1279,7 @@ class ring {
   std::atomic<int> connections_{0};
 
   std::atomic<std::uint64_t> submitted_{0};
+  std::atomic<std::uint64_t> submit_calls_{0};
   std::atomic<std::uint64_t> completed_{0};
   std::atomic<std::uint64_t> resubmitted_{0};
   std::atomic<std::uint64_t> backlogged_{0};
