@@ -145,8 +145,8 @@ TEST_CASE("run_loop: posts from several threads to a loop that keeps falling asl
   // work queued, and the count below stops short.
   constexpr int posters = 4;
   constexpr int per_poster = 5000;
+  std::atomic<int> ran{0};  // before the engine, which may still run a late hop as it stops
   engine_thread engine(0ns);
-  std::atomic<int> ran{0};
   std::vector<std::thread> threads;
   for (int p = 0; p < posters; ++p) {
     threads.emplace_back([&, p] {

@@ -77,7 +77,8 @@ class run_loop {
     return ran;
   }
 
-  // Ends the current run() (or the next, if none is running). Any thread.
+  // Ends the current run() (or the next, if none is running). Any thread; the loop must outlive the
+  // call, which still touches it after the running thread may have seen the stop and returned.
   // Takes no lock (so a signal handler may call it): it moves the epoch without claiming the
   // sleepers, whose registrations then stay counted until the next post claims them (one futex call
   // that wakes nobody).
@@ -175,8 +176,9 @@ class run_loop {
   // count_ mirrored for the idle spin, which looks without the lock (a hint: pop() decides).
   std::atomic<std::size_t> queued_{0};
   std::chrono::nanoseconds spin_ = default_spin;
-  // Under mutex_: at least the number of sleepers no post has claimed yet (stop() leaves it high).
-  std::uint32_t sleepers_ = 0;
+  // Under mutex_: at least the number of sleepers no post has claimed yet (stop() leaves it high;
+  // 64 bits, so that no number of stops between two posts can wrap it to zero).
+  std::uint64_t sleepers_ = 0;
   std::atomic<std::uint32_t> epoch_{0};  // the futex word: moved by every claim and every stop()
   std::atomic<bool> stop_{false};
 };
