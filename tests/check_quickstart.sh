@@ -1,0 +1,34 @@
+#!/bin/sh
+# The README's quick-start commands are the ones CI and the scripts run: its second command block
+# under "## Quick start" must be exactly what .ci/run executes, and both blocks must name a mode
+# scripts/quickstart.sh accepts.
+# Usage: check_quickstart.sh SOURCE_ROOT
+set -eu
+root=$1
+block() {
+  awk -v want="$1" '
+    /^## Quick start/ { in_section = 1; next }
+    in_section && /^## / { exit }
+    in_section && /^```sh$/ { n++; in_block = 1; next }
+    in_section && /^```$/ { in_block = 0; next }
+    in_section && in_block && n == want { print }
+  ' "$root/README.md"
+}
+demo=$(block 1)
+test_command=$(block 2)
+ci_command=$(sed -n 's/^exec //p' "$root/.ci/run")
+status=0
+if [ "$demo" != "scripts/quickstart.sh demo" ]; then
+  echo "README quick start, first command: '$demo', expected 'scripts/quickstart.sh demo'" >&2
+  status=1
+fi
+if [ "$test_command" != "scripts/quickstart.sh test" ]; then
+  echo "README quick start, second command: '$test_command', expected 'scripts/quickstart.sh test'" >&2
+  status=1
+fi
+if [ "$ci_command" != "$test_command" ]; then
+  echo ".ci/run executes '$ci_command', but the README's test command is '$test_command'" >&2
+  status=1
+fi
+[ "$status" -eq 0 ] && echo "README quick start and .ci/run agree: $test_command"
+exit "$status"
