@@ -499,7 +499,6 @@ void run_uring(const options& opt) {
     std::vector<double> co_cpu, inl_cpu, default_co_cpu, default_inl_cpu, fio_cpu;
   } spins;
   std::string spin_table;  // printed under the main table
-  std::mt19937 shuffler(2024);
   for (const workload& w : loads) {
     std::vector<double> co, inl, blocking, raw, fi;
     // Per pass, each ferry runner against the baselines that ran in the same pass: the machine's
@@ -508,65 +507,65 @@ void run_uring(const options& opt) {
     std::vector<double> co_raw, inl_raw, co_fio, inl_fio;
     const bool target_row = w.depth == 32 && w.random;
     const int n = target_row ? target_passes : passes;
-    for (int p = 0; p < n; ++p) {
-      double c = 0, i = 0, b = 0, rr = 0, ff = 0, tc = 0, ti = 0;
-      // The runners go in a new shuffled order every pass, so that none always runs right after
-      // fio's process, next to the same neighbour, or first after a quiet spell.
-      std::vector<int> order(target_row ? 7 : 5);
-      for (std::size_t slot = 0; slot < order.size(); ++slot) order[slot] = static_cast<int>(slot);
-      std::shuffle(order.begin(), order.end(), shuffler);
-      for (const int runner : order) {
-        switch (runner) {
-          case 0:
-            c = target_row ? with_cpu(spins.default_co_cpu,
-                                      [&] { return ferry_coroutines(r, f, w, seconds); })
-                           : ferry_coroutines(r, f, w, seconds);
-            break;
-          case 1:
-            i = target_row ? with_cpu(spins.default_inl_cpu,
-                                      [&] { return ferry_inline(r, f, w, seconds); })
-                           : ferry_inline(r, f, w, seconds);
-            break;
-          case 2: b = ferry_blocking(r, f, w, seconds); break;
-          case 3: rr = raw_liburing(f, w, seconds); break;
-          case 4: {
-            double cpu = 0;
-            ff = fio ? fio_iops(f, w, seconds, &cpu) : 0;
-            if (target_row && ff > 0) spins.fio_cpu.push_back(cpu);
-            break;
+    // Every runner sets its result once per pass, so none is carried over from the pass before.
+    double c = 0, i = 0, b = 0, rr = 0, ff = 0, tc = 0, ti = 0;
+    // The runners go in a new shuffled order every pass, so that none always runs right after
+    // fio's process, next to the same neighbour, or first after a quiet spell.
+    in_shuffled_passes(
+        target_row ? 7 : 5, n,
+        [&](std::size_t runner) {
+          switch (runner) {
+            case 0:
+              c = target_row ? with_cpu(spins.default_co_cpu,
+                                        [&] { return ferry_coroutines(r, f, w, seconds); })
+                             : ferry_coroutines(r, f, w, seconds);
+              break;
+            case 1:
+              i = target_row ? with_cpu(spins.default_inl_cpu,
+                                        [&] { return ferry_inline(r, f, w, seconds); })
+                             : ferry_inline(r, f, w, seconds);
+              break;
+            case 2: b = ferry_blocking(r, f, w, seconds); break;
+            case 3: rr = raw_liburing(f, w, seconds); break;
+            case 4: {
+              double cpu = 0;
+              ff = fio ? fio_iops(f, w, seconds, &cpu) : 0;
+              if (target_row && ff > 0) spins.fio_cpu.push_back(cpu);
+              break;
+            }
+            case 5:
+              tc = with_cpu(spins.co_cpu, [&] {
+                return ferry_coroutines(tuned_r, f, w, seconds, tuned_loop_spin);
+              });
+              break;
+            default:
+              ti = with_cpu(spins.inl_cpu, [&] { return ferry_inline(tuned_r, f, w, seconds); });
+              break;
           }
-          case 5:
-            tc = with_cpu(spins.co_cpu, [&] {
-              return ferry_coroutines(tuned_r, f, w, seconds, tuned_loop_spin);
-            });
-            break;
-          default:
-            ti = with_cpu(spins.inl_cpu, [&] { return ferry_inline(tuned_r, f, w, seconds); });
-            break;
-        }
-      }
-      co.push_back(c);
-      inl.push_back(i);
-      blocking.push_back(b);
-      raw.push_back(rr);
-      if (ff > 0) fi.push_back(ff);  // a failed fio run says nothing about fio
-      if (rr > 0) {
-        co_raw.push_back(c / rr);
-        inl_raw.push_back(i / rr);
-      }
-      if (ff > 0) {
-        co_fio.push_back(c / ff);
-        inl_fio.push_back(i / ff);
-      }
-      if (target_row) {
-        spins.co.push_back(tc);
-        spins.inl.push_back(ti);
-        if (ff > 0) {
-          spins.co_fio.push_back(tc / ff);
-          spins.inl_fio.push_back(ti / ff);
-        }
-      }
-    }
+        },
+        [&] {
+          co.push_back(c);
+          inl.push_back(i);
+          blocking.push_back(b);
+          raw.push_back(rr);
+          if (ff > 0) fi.push_back(ff);  // a failed fio run says nothing about fio
+          if (rr > 0) {
+            co_raw.push_back(c / rr);
+            inl_raw.push_back(i / rr);
+          }
+          if (ff > 0) {
+            co_fio.push_back(c / ff);
+            inl_fio.push_back(i / ff);
+          }
+          if (target_row) {
+            spins.co.push_back(tc);
+            spins.inl.push_back(ti);
+            if (ff > 0) {
+              spins.co_fio.push_back(tc / ff);
+              spins.inl_fio.push_back(ti / ff);
+            }
+          }
+        });
     const bool big = w.block >= (1u << 20);
     auto show = [&](double v) {
       return big ? rate(v * static_cast<double>(w.block)) + "B/s" : rate(v) + " IOPS";
