@@ -1,6 +1,9 @@
 // ferry's microbenchmarks. Every figure is measured in this process, next to its baseline, and the
 // targets are printed as ratios.
 // Usage: ferry_bench [--quick] [latency] [when_all] [throughput] [uring] [tcp] [kv] [verbs]
+//                    [uring_depth]
+// With no group named, every group but uring_depth runs (a sweep of queue depths that takes
+// about three minutes).
 
 #include <cstdio>
 #include <cstring>
@@ -13,7 +16,7 @@
 int main(int argc, char** argv) {
   ferry_bench::options opt;
   bool latency = false, when_all = false, throughput = false, uring = false, tcp = false,
-       kv = false, verbs = false;
+       kv = false, verbs = false, uring_depth = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--quick") {
@@ -32,13 +35,16 @@ int main(int argc, char** argv) {
       kv = true;
     } else if (a == "verbs") {
       verbs = true;
+    } else if (a == "uring_depth") {
+      uring_depth = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--quick] [latency] [when_all] [throughput] [uring] [tcp] [kv] [verbs]\n",
+      std::fprintf(stderr, "usage: %s [--quick] [latency] [when_all] [throughput] [uring] [tcp] [kv] [verbs] "
+                   "[uring_depth]\n",
                    argv[0]);
       return 2;
     }
   }
-  if (!latency && !when_all && !throughput && !uring && !tcp && !kv && !verbs) {
+  if (!latency && !when_all && !throughput && !uring && !tcp && !kv && !verbs && !uring_depth) {
     latency = when_all = throughput = uring = tcp = kv = verbs = true;
   }
 
@@ -51,8 +57,9 @@ int main(int argc, char** argv) {
 #if FERRY_BENCH_URING
   if (uring) ferry_bench::run_uring(opt);
   if (tcp) ferry_bench::run_tcp(opt);
+  if (uring_depth) ferry_bench::run_uring_depth(opt);
 #else
-  if (uring || tcp) std::printf("\n## io_uring and TCP\n\nskipped: built without liburing\n");
+  if (uring || tcp || uring_depth) std::printf("\n## io_uring and TCP\n\nskipped: built without liburing\n");
 #endif
 #if FERRY_BENCH_VERBS
   if (verbs) {

@@ -447,17 +447,19 @@ double median_of(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
+// Why io_uring cannot be used here, or an empty string.
+std::string uring_unavailable() {
+  io_uring probe{};
+  const int r = ::io_uring_queue_init(4, &probe, 0);
+  if (r < 0) return std::strerror(-r);
+  ::io_uring_queue_exit(&probe);
+  return {};
+}
+
 }  // namespace
 
 void run_uring(const options& opt) {
-  const std::string why = [] {
-    io_uring probe{};
-    const int r = ::io_uring_queue_init(4, &probe, 0);
-    if (r < 0) return std::string(std::strerror(-r));
-    ::io_uring_queue_exit(&probe);
-    return std::string();
-  }();
-  if (!why.empty()) {
+  if (const std::string why = uring_unavailable(); !why.empty()) {
     std::printf("\n## io_uring\n\nskipped: io_uring is not available here (%s)\n", why.c_str());
     return;
   }
@@ -633,6 +635,66 @@ void run_uring(const options& opt) {
     }
   }
   std::printf("%s", spin_table.c_str());
+}
+
+// How the disk's throughput grows with queue depth, for fio and ferry's two coroutine runners. Where
+// it stops growing is the most any program gets from this disk: a depth at which fio is already
+// there leaves ferry nothing to gain on it but a tie.
+void run_uring_depth(const options& opt) {
+  if (const std::string why = uring_unavailable(); !why.empty()) {
+    std::printf("\n## io_uring depth sweep\n\nskipped: io_uring is not available here (%s)\n",
+                why.c_str());
+    return;
+  }
+  const double seconds = opt.quick ? 0.2 : 1.0;
+  const int passes = opt.quick ? 1 : 5;
+  test_file f(opt.quick ? (64u << 20) : (512u << 20));
+  const bool fio = have_fio();
+  const unsigned depths[] = {1, 4, 8, 16, 32, 64, 128};
+  constexpr std::size_t n_depths = std::size(depths);
+  constexpr std::size_t runners = 3;  // engine thread, executor thread, fio
+  std::printf("\n## io_uring 4 KiB random reads by queue depth (%s, %zu MiB file, %s; medians over "
+              "%d passes of %.1f s per runner and depth, each pass in a new order)\n\n"
+              "| depth | ferry co_await, engine thread | ferry co_await, executor thread | fio "
+              "io_uring | ferry / fio (engine / executor) |\n|---|---|---|---|---|\n",
+              f.direct ? "O_DIRECT" : "buffered: the file system refused O_DIRECT", f.size >> 20,
+              fio ? "fio found" : "fio not installed", passes, seconds);
+  ferry::progress_executor exec;
+  uring::ring r(exec, uring::ring_options{.entries = 256});
+  double last[n_depths][runners] = {};
+  std::vector<double> iops[n_depths][runners], co_fio[n_depths], inl_fio[n_depths];
+  in_shuffled_passes(
+      n_depths * runners, passes,
+      [&](std::size_t i) {
+        const workload w{"", page, depths[i / runners], true};
+        double& out = last[i / runners][i % runners];
+        switch (i % runners) {
+          case 0: out = ferry_coroutines(r, f, w, seconds); break;
+          case 1: out = ferry_inline(r, f, w, seconds); break;
+          default: out = fio ? fio_iops(f, w, seconds) : 0; break;
+        }
+      },
+      [&] {
+        for (std::size_t d = 0; d < n_depths; ++d) {
+          for (std::size_t k = 0; k < runners; ++k) {
+            if (last[d][k] > 0) iops[d][k].push_back(last[d][k]);
+          }
+          if (last[d][2] > 0) {
+            co_fio[d].push_back(last[d][0] / last[d][2]);
+            inl_fio[d].push_back(last[d][1] / last[d][2]);
+          }
+        }
+      });
+  for (std::size_t d = 0; d < n_depths; ++d) {
+    char ratios[64] = "-";
+    if (fio) {
+      std::snprintf(ratios, sizeof ratios, "%.2f / %.2f", median_of(co_fio[d]),
+                    median_of(inl_fio[d]));
+    }
+    std::printf("| %u | %s IOPS | %s IOPS | %s | %s |\n", depths[d],
+                rate(median_of(iops[d][0])).c_str(), rate(median_of(iops[d][1])).c_str(),
+                fio ? (rate(median_of(iops[d][2])) + " IOPS").c_str() : "-", ratios);
+  }
 }
 
 void run_tcp(const options& opt) {
