@@ -3,7 +3,7 @@
 // Usage: ferry_bench [--quick] [latency] [when_all] [throughput] [uring] [tcp] [kv] [verbs]
 //                    [uring_depth]
 // With no group named, every group but uring_depth runs (a sweep of queue depths that takes
-// about three minutes).
+// about two minutes).
 
 #include <cstdio>
 #include <cstring>
@@ -38,8 +38,9 @@ int main(int argc, char** argv) {
     } else if (a == "uring_depth") {
       uring_depth = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--quick] [latency] [when_all] [throughput] [uring] [tcp] [kv] [verbs] "
-                   "[uring_depth]\n",
+      std::fprintf(stderr,
+                   "usage: %s [--quick] [latency] [when_all] [throughput] [uring] [tcp] [kv] "
+                   "[verbs] [uring_depth]\n",
                    argv[0]);
       return 2;
     }
@@ -59,7 +60,9 @@ int main(int argc, char** argv) {
   if (tcp) ferry_bench::run_tcp(opt);
   if (uring_depth) ferry_bench::run_uring_depth(opt);
 #else
-  if (uring || tcp || uring_depth) std::printf("\n## io_uring and TCP\n\nskipped: built without liburing\n");
+  if (uring || tcp || uring_depth) {
+    std::printf("\n## io_uring and TCP\n\nskipped: built without liburing\n");
+  }
 #endif
 #if FERRY_BENCH_VERBS
   if (verbs) {
