@@ -84,6 +84,43 @@ class gate_source {
   std::atomic<bool> released_{false};
 };
 
+// A source like a GPU copy engine: nothing signals its completions, so the executor must not sleep
+// while it is busy(). Each piece of work is done a set time after it was handed over, and only a
+// poll finds it. submit_during_next_busy_check() hands work over from inside the executor's next
+// busy() check, just after that check has read "not busy": the same as a submitter on another
+// thread running at that moment, between the executor's last busy check and its sleep.
+class poll_only_source {
+ public:
+  explicit poll_only_source(ferry::progress_executor& e) : exec_(e) { exec_.add_source(*this); }
+  ~poll_only_source() { exec_.remove_source(*this); }
+
+  void submit_during_next_busy_check() { inject_.store(true); }
+  int completed() const { return completed_.load(); }
+
+  std::size_t poll(std::size_t) {
+    if (outstanding_.load() == 0 || clock_type::now() < ready_at_.load()) return 0;
+    outstanding_.fetch_sub(1);
+    completed_.fetch_add(1);
+    return 1;
+  }
+  bool busy() const {
+    const bool busy = outstanding_.load() != 0;
+    if (inject_.exchange(false)) {
+      ready_at_.store(clock_type::now() + 2ms);
+      outstanding_.fetch_add(1);
+      exec_.notify();
+    }
+    return busy;
+  }
+
+ private:
+  ferry::progress_executor& exec_;
+  mutable std::atomic<bool> inject_{false};
+  mutable std::atomic<int> outstanding_{0};
+  mutable std::atomic<clock_type::time_point> ready_at_{};
+  std::atomic<int> completed_{0};
+};
+
 }  // namespace
 
 TEST_CASE("every mode completes submitted work", "[executor][concurrency]") {
@@ -183,6 +220,23 @@ TEST_CASE("work on a source added just as the executor parks is not slept on",
   const ferry::transfer t = source.submit();
   gate.release();
   REQUIRE(t.wait_for(hang_bound) == transfer_state::success);
+}
+
+TEST_CASE("work handed to a poll-only source just as the executor parks is not slept on",
+          "[executor][concurrency]") {
+  // The executor finds nothing, reads "not busy", and goes to park; the work arrives between that
+  // check and its announcement, so its notify() wakes nobody, and the last look before sleeping
+  // finds it not done yet. The executor must look at busy() again after announcing, or it sleeps
+  // with work out that nothing will ever signal.
+  ferry::executor_options options;
+  options.mode = ferry::progress_mode::park;
+  ferry::progress_executor exec(options);
+  poll_only_source source(exec);
+  for (int i = 1; i <= 20; ++i) {
+    source.submit_during_next_busy_check();
+    exec.notify();  // a round, if it sleeps, so that it checks busy() and parks again
+    REQUIRE(wait_until([&] { return source.completed() == i; }));
+  }
 }
 
 TEST_CASE("executor options are checked", "[executor]") {

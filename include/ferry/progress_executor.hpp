@@ -391,7 +391,10 @@ class progress_executor {
     for (const source_entry& e : round_sources_) {
       if (e.arm != nullptr && !e.arm(e.object)) ++late;
     }
-    if (late != 0 || stop_.load(std::memory_order_acquire) ||
+    // A poll-only source handed work after this round's busy check: its notify() came before the
+    // announcement and woke nobody, and the look above found the work unfinished. Nothing will
+    // signal it, so keep polling.
+    if (late != 0 || any_busy() || stop_.load(std::memory_order_acquire) ||
         timers_.next_deadline() <= detail::clock::now()) {
       parked_.store(false, std::memory_order_relaxed);
       return late;
