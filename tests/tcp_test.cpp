@@ -3,10 +3,12 @@
 #include <catch2/catch.hpp>
 
 #include <cstring>
+#include <random>
 #include <thread>
 #include <vector>
 
 #include <csignal>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -55,6 +57,61 @@ void write_all(int fd, const void* p, std::size_t n) {
     b += w;
     n -= static_cast<std::size_t>(w);
   }
+}
+
+// Reads on pipes nobody writes to, as many as the ring holds: work submitted after them waits for
+// room in the ring until release().
+class stalled_reads {
+ public:
+  explicit stalled_reads(uring::ring& r)
+      : buffer_(r.in_flight_limit()), read_ends_(r.in_flight_limit()), write_ends_(r.in_flight_limit()) {
+    for (unsigned i = 0; i < r.in_flight_limit(); ++i) {
+      int p[2];
+      REQUIRE(::pipe2(p, O_CLOEXEC) == 0);
+      read_ends_[i].reset(p[0]);
+      write_ends_[i].reset(p[1]);
+      reads_.push_back(r.read(p[0], std::span(buffer_).subspan(i, 1), uring::current_position));
+    }
+    REQUIRE(wait_until([&] { return r.counters().backlogged > 0; }));
+  }
+  ~stalled_reads() { release(); }
+
+  // The reads end (the pipes report end of file) and the ring has room again.
+  void release() {
+    for (fd_guard& w : write_ends_) w.reset(-1);
+    (void)ferry::drain(reads_, hang_bound);
+  }
+
+ private:
+  std::vector<std::byte> buffer_;
+  std::vector<fd_guard> read_ends_, write_ends_;
+  std::vector<ferry::transfer> reads_;
+};
+
+// Writes into a socket until its buffers are full, so that the next send stalls before its first
+// byte; returns how many bytes that took.
+std::size_t fill_socket(int fd) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+  std::size_t filled = 0;
+  char chunk[4096] = {};
+  for (std::size_t n = sizeof chunk; n != 0; n /= 2) {
+    for (ssize_t w; (w = ::send(fd, chunk, n, MSG_NOSIGNAL)) > 0;) filled += static_cast<std::size_t>(w);
+  }
+  ::fcntl(fd, F_SETFL, flags);
+  return filled;
+}
+
+// Reads and drops n bytes; false if the stream ended first. (No assertions: Catch asserts only on
+// the main thread, and peers read on their own.)
+bool read_exactly(int fd, std::size_t n) {
+  std::vector<char> sink(n);
+  for (std::size_t done = 0; done < n;) {
+    const ssize_t r = ::read(fd, sink.data() + done, n - done);
+    if (r <= 0) return false;
+    done += static_cast<std::size_t>(r);
+  }
+  return true;
 }
 
 }  // namespace
@@ -225,6 +282,152 @@ TEST_CASE("tcp: cancelling a receive that has no data leaves the connection usab
   REQUIRE(again.wait_for(hang_bound) == transfer_state::success);
   CHECK(got3.id == 5);
   CHECK(dst == payload);
+}
+
+TEST_CASE("tcp: cancelling a send coalesced behind another in a stalled sendmsg ends it",
+          "[tcp][concurrency]") {
+  FERRY_REQUIRE_URING();
+  ferry::progress_executor exec;
+  uring::ring r(exec);
+  int sv[2];
+  REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
+  const std::size_t filled = fill_socket(sv[0]);  // the peer reads nothing yet
+  uring::tcp_connection sender(r, sv[0]);
+  const auto pa = byte_pattern(100, 1), pb1 = byte_pattern(100, 2), pb2 = byte_pattern(100, 3);
+  ferry::transfer a = sender.send(1, pa);  // in flight alone, stalled before its first byte
+  ferry::transfer b1 = sender.send(2, pb1);
+  ferry::transfer b2 = sender.send(3, pb2);
+  CHECK(a.wait_for(20ms) == transfer_state::pending);
+  r.cancel(a);  // at a frame boundary: b1 and b2 then go out together, in one stalled sendmsg
+  REQUIRE(a.wait_for(hang_bound) == transfer_state::cancelled);
+  CHECK(b2.wait_for(20ms) == transfer_state::pending);
+  r.cancel(b2);  // second in that sendmsg: the kernel holds its bytes as part of b1's request
+  REQUIRE(b2.wait_for(hang_bound) == transfer_state::cancelled);
+  CHECK(b1.state() == transfer_state::pending);  // untouched and not cancelled: sent again
+
+  // The peer drains the filler, then reads frames: b1's alone, whole.
+  REQUIRE(read_exactly(sv[1], filled));
+  uring::tcp_connection receiver(r, sv[1]);
+  std::vector<std::byte> dst(100);
+  uring::received_block got;
+  REQUIRE(receiver.receive(dst, got).wait_for(hang_bound) == transfer_state::success);
+  CHECK(got.id == 2);
+  CHECK(dst == pb1);
+  REQUIRE(b1.wait_for(hang_bound) == transfer_state::success);
+  sender.close();
+  CHECK(receiver.receive(dst, got).wait_for(hang_bound) == transfer_state::failed);
+}
+
+TEST_CASE("tcp: cancelling a send grouped behind another that waits for ring room ends it at once",
+          "[tcp][concurrency]") {
+  FERRY_REQUIRE_URING();
+  ferry::progress_executor exec;
+  uring::ring r(exec, uring::ring_options{.entries = 1});
+  stalled_reads stall(r);
+  int sv[2];
+  REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
+  uring::tcp_connection sender(r, sv[0]);
+  uring::tcp_connection receiver(r, sv[1]);
+  const auto pa = byte_pattern(100, 1), pb1 = byte_pattern(100, 2), pb2 = byte_pattern(100, 3);
+  ferry::transfer a = sender.send(1, pa);  // waits for room in the ring
+  ferry::transfer b1 = sender.send(2, pb1);
+  ferry::transfer b2 = sender.send(3, pb2);
+  CHECK(a.wait_for(20ms) == transfer_state::pending);
+  r.cancel(a);  // b1 and b2 form the next group, which waits for room too
+  REQUIRE(a.wait_for(hang_bound) == transfer_state::cancelled);
+  r.cancel(b2);  // nothing of it reached the kernel: it leaves the group
+  REQUIRE(b2.wait_for(hang_bound) == transfer_state::cancelled);
+  CHECK(b1.wait_for(20ms) == transfer_state::pending);
+
+  stall.release();
+  REQUIRE(b1.wait_for(hang_bound) == transfer_state::success);
+  std::vector<std::byte> dst(100);
+  uring::received_block got;
+  REQUIRE(receiver.receive(dst, got).wait_for(hang_bound) == transfer_state::success);
+  CHECK(got.id == 2);
+  CHECK(dst == pb1);
+  sender.close();
+  CHECK(receiver.receive(dst, got).wait_for(hang_bound) == transfer_state::failed);
+}
+
+TEST_CASE("tcp: a send put back by a cancel after its connection closed still ends",
+          "[tcp][concurrency]") {
+  FERRY_REQUIRE_URING();
+  ferry::progress_executor exec;
+  uring::ring r(exec, uring::ring_options{.entries = 1});
+  stalled_reads stall(r);
+  int sv[2];
+  REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
+  fd_guard peer(sv[1]);
+  uring::tcp_connection sender(r, sv[0]);
+  const auto payload = byte_pattern(100, 1);
+  ferry::transfer a = sender.send(1, payload);  // waits for room in the ring
+  ferry::transfer b1 = sender.send(2, payload);
+  ferry::transfer b2 = sender.send(3, payload);
+  CHECK(a.wait_for(20ms) == transfer_state::pending);
+  r.cancel(a);  // b1 and b2 form the next group, which waits for room too
+  REQUIRE(a.wait_for(hang_bound) == transfer_state::cancelled);
+  sender.close();  // nothing is queued: b1 and b2 are the group
+  r.cancel(b1);    // ends the group at a boundary: b2, untouched, has no queue left to go back to
+  REQUIRE(b1.wait_for(hang_bound) == transfer_state::cancelled);
+  CHECK(b2.wait_for(hang_bound) == transfer_state::cancelled);
+}
+
+TEST_CASE("tcp: random cancels of stalled sends: every one ends, and the peer gets exactly the "
+          "frames that succeeded, in order",
+          "[tcp][concurrency]") {
+  FERRY_REQUIRE_URING();
+  ferry::progress_executor exec;
+  std::mt19937 rng(7);
+  for (int round = 0; round < 100; ++round) {
+    // A ring with room for everything, or one so small that groups also wait in the backlog.
+    uring::ring r(exec, uring::ring_options{.entries = rng() % 2 == 0 ? 1u : 64u});
+    int sv[2];
+    REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
+    const std::size_t filled = fill_socket(sv[0]);
+    const std::size_t n = 2 + rng() % 10;
+    std::vector<std::vector<std::byte>> payloads;
+    std::vector<ferry::transfer> sends;
+    uring::tcp_connection sender(r, sv[0]);
+    for (std::size_t i = 0; i < n; ++i) {
+      payloads.push_back(byte_pattern(1 + rng() % (rng() % 3 != 0 ? 200 : 300000), round * 16 + i));
+      sends.push_back(sender.send(i, payloads.back()));
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(rng() % 3000));
+    for (const auto& t : sends) {
+      if (rng() % 2 == 0) continue;
+      r.cancel(t);
+      if (rng() % 4 == 0) std::this_thread::sleep_for(std::chrono::microseconds(rng() % 500));
+    }
+    std::vector<std::uint64_t> received;
+    bool intact = true;
+    std::thread peer([&, fd = sv[1]] {
+      uring::tcp_connection receiver(r, fd);
+      if (!read_exactly(fd, filled)) {
+        intact = false;
+        return;
+      }
+      std::vector<std::byte> dst(300000);
+      for (;;) {
+        uring::received_block got;
+        if (receiver.receive(dst, got).wait_for(hang_bound) != transfer_state::success) break;
+        if (got.id >= n || got.length != payloads[got.id].size() ||
+            !std::equal(payloads[got.id].begin(), payloads[got.id].end(), dst.begin())) {
+          intact = false;
+        }
+        received.push_back(got.id);
+      }
+    });
+    REQUIRE(ferry::drain(sends, hang_bound).pending == 0);
+    sender.close();
+    peer.join();
+    std::vector<std::uint64_t> succeeded;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (sends[i].state() == transfer_state::success) succeeded.push_back(i);
+    }
+    REQUIRE(intact);
+    REQUIRE(received == succeeded);
+  }
 }
 
 TEST_CASE("tcp: closing a connection ends its transfers", "[tcp][concurrency]") {

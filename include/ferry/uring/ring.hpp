@@ -182,6 +182,7 @@ struct op_body {
   bool cancel_requested = false;
   bool cancelled_at_shutdown = false;
   bool receiving_payload = false;  // a receive has its header and is filling the payload
+  bool frame_cancel = false;       // a send: cancel() named this frame (cancel_requested is the SQE's)
   int fd = -1;
   int buffer_index = -1;
   std::uint32_t iov_count = 0;
@@ -341,12 +342,15 @@ class ring {
       }
       flush();
       if (in_flight_.empty() && cancels_in_flight_ == 0) continue;
+      // Submits again what flush() could not hand over (the kernel was short of memory) in the
+      // same call that waits, so that the wait is never for a cancel the kernel does not have.
       io_uring_cqe* cqe = nullptr;
-      const int r = ::io_uring_wait_cqe(&ring_, &cqe);
-      if (r == -EINTR || r == -EAGAIN) continue;
+      int r = ::io_uring_submit_and_wait(&ring_, 1);
+      if (r >= 0) r = ::io_uring_peek_cqe(&ring_, &cqe);
+      if (r == -EINTR || r == -EAGAIN || r == -EBUSY) continue;
       if (r < 0) {
         // The kernel may still write into buffers it holds; returning would free them under it.
-        std::fprintf(stderr, "ferry: uring::ring destroyed but io_uring_wait_cqe failed (%s)\n",
+        std::fprintf(stderr, "ferry: uring::ring destroyed but waiting for its completions failed (%s)\n",
                      std::strerror(-r));
         std::abort();
       }
@@ -421,6 +425,10 @@ class ring {
   // Best effort: asks the kernel to cancel the operation completing `t`. If it is cancelled, `t`
   // turns cancelled when its own completion arrives (or at once if it never reached the kernel);
   // if it finished first, `t` keeps that result. A transfer from elsewhere is left alone.
+  // Sends to one connection go out coalesced, several frames to one sendmsg: cancelling any of
+  // them stops that sendmsg. Frames it sent whole succeed, a frame it cut part-way ends cancelled
+  // (and the connection's later sends fail, the stream being out of step), and untouched frames
+  // that were not cancelled are sent again.
   void cancel(const transfer& t) {
     if (t.status() == nullptr || t.done()) return;
     detail::op* c = detail::op::make(detail::op_kind::cancel);
@@ -974,7 +982,9 @@ class ring {
   // Ends the group in flight. Frames that went out whole succeed. If it was cut short: the frame cut
   // part-way ends with the cause, and since the stream is then out of step, so does every later one
   // on the connection; after an error, every frame left fails with it; after a cancel at a frame
-  // boundary, the lead is cancelled and the untouched frames go back to the front of the queue.
+  // boundary, the untouched frames that cancel() named end cancelled and the others go back to the
+  // front of the queue (or end cancelled too, if the connection is closed or the ring shutting
+  // down, since nothing would send them).
   void end_send_group(detail::connection_state* c, bool cancelled, std::error_code ec) noexcept {
     const bool go_on = c->listed && !shutting_down_;
     c->refs.fetch_add(1, std::memory_order_relaxed);  // finish() may drop the last other reference
@@ -991,7 +1001,8 @@ class ring {
       } else if (begin < c->group_done) {
         in_step = false;
         finish(o, cancelled ? transfer_state::cancelled : transfer_state::failed, ec);
-      } else if (cancelled && in_step && i != 0 && !shutting_down_) {
+      } else if (cancelled && in_step && !o->frame_cancel && go_on) {
+        o->cancel_requested = false;  // the next group's SQE is a new one
         o->next = nullptr;
         (requeue_tail == nullptr ? requeue_head : requeue_tail->next) = o;
         requeue_tail = o;
@@ -1137,6 +1148,7 @@ class ring {
     if (s->state() != transfer_state::pending) return release_cancel(c);
     for (op* o : in_flight_) {
       if (o->status != s) continue;
+      if (o->kind == op_kind::send) o->frame_cancel = true;  // the lead of its group
       if (o->cancel_requested) return release_cancel(c);
       o->cancel_requested = true;
       c->target = o;
@@ -1157,8 +1169,47 @@ class ring {
         release_cancel(c);
         return finish(o, transfer_state::cancelled, {});
       }
+      for (unsigned i = 1; conn->sending && i < conn->send_group_size; ++i) {
+        if (conn->send_group[i]->status == s) return cancel_group_frame(conn, i, c);
+      }
     }
     release_cancel(c);
+  }
+
+  // Frame i (not the lead) of the group `conn` is sending: its bytes belong to the group's one
+  // sendmsg, so the group stops. Frames that went out whole succeed, untouched frames other than
+  // those cancelled are sent again (end_send_group). A group waiting in the backlog has nothing
+  // with the kernel: an untouched frame simply leaves it.
+  void cancel_group_frame(detail::connection_state* conn, unsigned i, op* cancel) noexcept {
+    op* frame = conn->send_group[i];
+    op* lead = conn->send_group[0];
+    frame->frame_cancel = true;
+    const bool lead_in_kernel = lead->slot < in_flight_.size() && in_flight_[lead->slot] == lead;
+    if (!lead_in_kernel) {
+      release_cancel(cancel);
+      std::size_t begin = 0;
+      for (unsigned k = 0; k < i; ++k) begin += conn->send_group[k]->length;
+      if (begin >= conn->group_done) {
+        for (unsigned k = i; k + 1 < conn->send_group_size; ++k) {
+          conn->send_group[k] = conn->send_group[k + 1];
+        }
+        --conn->send_group_size;
+        conn->group_length -= frame->length;
+        return finish(frame, transfer_state::cancelled, {});
+      }
+      // Part of it went out in an earlier call: the group ends here, as the kernel's would.
+      backlog_.remove(lead->status);
+      return end_send_group(conn, true, {});
+    }
+    if (lead->cancel_requested) return release_cancel(cancel);  // the group is stopping already
+    lead->cancel_requested = true;
+    // The request names the lead, and carries the lead's transfer reference: issue() tells the
+    // lead from an op recycled at the same address by its status.
+    lead->status->add_transfer_ref();
+    cancel->status->release_transfer_ref();
+    cancel->status = lead->status;
+    cancel->target = lead;
+    start(cancel);
   }
 
   static op* unlink(op*& head, op*& tail, const detail::status_block* s) noexcept {
@@ -1175,7 +1226,10 @@ class ring {
   void cancel_backlogged(op* o) noexcept {
     detail::connection_state* c = o->connection;
     if (c == nullptr) return finish(o, transfer_state::cancelled, {});
-    if (o->kind == op_kind::send) return end_send_group(c, true, {});  // `o` leads the group
+    if (o->kind == op_kind::send) {  // `o` leads the group
+      o->frame_cancel = true;
+      return end_send_group(c, true, {});
+    }
     // A receive: if it had taken bytes of a frame, the stream is out of step.
     if ((o->done != 0 || o->receiving_payload) && !c->receive_error) {
       c->receive_error = make_error_code(errc::connection_broken);
