@@ -2,6 +2,8 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -10,6 +12,7 @@
 #include <csignal>
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -105,9 +108,9 @@ std::size_t fill_socket(int fd) {
 // Reads and drops n bytes; false if the stream ended first. (No assertions: Catch asserts only on
 // the main thread, and peers read on their own.)
 bool read_exactly(int fd, std::size_t n) {
-  std::vector<char> sink(n);
+  std::vector<char> sink(std::min<std::size_t>(n, 1 << 20));
   for (std::size_t done = 0; done < n;) {
-    const ssize_t r = ::read(fd, sink.data() + done, n - done);
+    const ssize_t r = ::read(fd, sink.data(), std::min(n - done, sink.size()));
     if (r <= 0) return false;
     done += static_cast<std::size_t>(r);
   }
@@ -371,6 +374,95 @@ TEST_CASE("tcp: a send put back by a cancel after its connection closed still en
   r.cancel(b1);    // ends the group at a boundary: b2, untouched, has no queue left to go back to
   REQUIRE(b1.wait_for(hang_bound) == transfer_state::cancelled);
   CHECK(b2.wait_for(hang_bound) == transfer_state::cancelled);
+}
+
+TEST_CASE("tcp: cancelling a grouped send after its connection closed still ends it",
+          "[tcp][concurrency]") {
+  FERRY_REQUIRE_URING();
+  ferry::progress_executor exec;
+  uring::ring r(exec, uring::ring_options{.entries = 1});
+  stalled_reads stall(r);
+  int sv[2];
+  REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
+  fd_guard peer(sv[1]);
+  uring::tcp_connection sender(r, sv[0]);
+  const auto payload = byte_pattern(100, 1);
+  ferry::transfer a = sender.send(1, payload);  // waits for room in the ring
+  ferry::transfer b1 = sender.send(2, payload);
+  ferry::transfer b2 = sender.send(3, payload);
+  CHECK(a.wait_for(20ms) == transfer_state::pending);
+  r.cancel(a);  // b1 and b2 form the next group, which waits for room too
+  REQUIRE(a.wait_for(hang_bound) == transfer_state::cancelled);
+  sender.close();  // takes the connection off the ring's list; the group still waits
+  CHECK(b2.wait_for(20ms) == transfer_state::pending);
+  r.cancel(b2);  // found through its group's lead, not through the list
+  REQUIRE(b2.wait_for(hang_bound) == transfer_state::cancelled);
+  stall.release();
+  CHECK(b1.wait_for(hang_bound) != transfer_state::pending);
+}
+
+TEST_CASE("tcp: cancelling the frames left after a short send completes the group instead of "
+          "sending nothing",
+          "[tcp][concurrency]") {
+  // One sendmsg moves at most MAX_RW_COUNT bytes (2 GiB less a page). A group whose lead frame is
+  // exactly that long stops at the boundary behind it, and its continuation waits for ring room;
+  // cancelling the rest leaves nothing to send, which must end the group, not go out as an empty
+  // sendmsg whose 0 reads as a closed peer.
+  FERRY_REQUIRE_URING();
+  ferry::progress_executor exec;
+  uring::ring r(exec, uring::ring_options{.entries = 1});
+  int sv[2];
+  REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
+  fd_guard peer_end(sv[1]);
+  const std::size_t filled = fill_socket(sv[0]);
+  uring::tcp_connection sender(r, sv[0]);
+  constexpr std::size_t max_rw = 0x7ffff000;  // MAX_RW_COUNT with 4 KiB pages
+  const std::size_t big = max_rw - sizeof(uring::detail::frame_header);
+  void* zeros = ::mmap(nullptr, big, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  REQUIRE(zeros != MAP_FAILED);
+  const auto small = byte_pattern(100, 1);
+  ferry::transfer first = sender.send(0, small);  // stalls on the full socket, alone in its group
+  ferry::transfer lead = sender.send(1, std::span(static_cast<const std::byte*>(zeros), big));
+  ferry::transfer tail = sender.send(2, small);  // the next group: lead and tail
+  std::atomic<bool> read_lead{false};
+  std::atomic<bool> peer_ok{true};
+  std::thread peer([&] {
+    // The filler and the first frame; then, when told, exactly one sendmsg's worth: the lead.
+    if (!read_exactly(sv[1], filled + sizeof(uring::detail::frame_header) + small.size())) {
+      peer_ok = false;
+    }
+    while (!read_lead.load()) std::this_thread::sleep_for(1ms);
+    if (!read_exactly(sv[1], max_rw)) peer_ok = false;
+  });
+  // If an assertion below fails, the peer is released and joined before anything it uses goes.
+  struct peer_guard {
+    std::thread& thread;
+    std::atomic<bool>& go;
+    int fd;
+    ~peer_guard() {
+      if (!thread.joinable()) return;
+      go = true;
+      ::shutdown(fd, SHUT_RDWR);
+      thread.join();
+    }
+  } guard{peer, read_lead, sv[1]};
+  REQUIRE(first.wait_for(hang_bound) == transfer_state::success);
+  stalled_reads stall(r);  // beside the group's sendmsg; later work waits for room
+  const auto backlogged = r.counters().backlogged;
+  read_lead = true;
+  // The kernel returns the lead's bytes, and the continuation for the tail waits for room.
+  REQUIRE(wait_until([&] { return r.counters().backlogged > backlogged; }));
+  CHECK(tail.state() == transfer_state::pending);
+  r.cancel(tail);
+  REQUIRE(tail.wait_for(hang_bound) == transfer_state::cancelled);
+  REQUIRE(lead.wait_for(hang_bound) == transfer_state::success);
+  stall.release();
+  peer.join();
+  REQUIRE(peer_ok);
+  // The connection is still sound: the next frame goes out whole.
+  ferry::transfer after = sender.send(3, small);
+  REQUIRE(after.wait_for(hang_bound) == transfer_state::success);
+  ::munmap(zeros, big);
 }
 
 TEST_CASE("tcp: random cancels of stalled sends: every one ends, and the peer gets exactly the "

@@ -1169,10 +1169,24 @@ class ring {
         release_cancel(c);
         return finish(o, transfer_state::cancelled, {});
       }
-      for (unsigned i = 1; conn->sending && i < conn->send_group_size; ++i) {
-        if (conn->send_group[i]->status == s) return cancel_group_frame(conn, i, c);
-      }
     }
+    // A frame behind the lead of a send group. Every group's lead is in flight or in the backlog,
+    // whether or not close() has taken its connection off the list.
+    detail::connection_state* group = nullptr;
+    unsigned index = 0;
+    auto look = [&](const op* lead) {
+      detail::connection_state* conn = lead->connection;
+      if (lead->kind != op_kind::send || !conn->sending || conn->send_group[0] != lead) return;
+      for (unsigned i = 1; i < conn->send_group_size; ++i) {
+        if (conn->send_group[i]->status == s) {
+          group = conn;
+          index = i;
+        }
+      }
+    };
+    for (const op* o : in_flight_) look(o);
+    for (const op* o = backlog_.head; o != nullptr; o = o->next) look(o);
+    if (group != nullptr) return cancel_group_frame(group, index, c);
     release_cancel(c);
   }
 
@@ -1189,13 +1203,21 @@ class ring {
       release_cancel(cancel);
       std::size_t begin = 0;
       for (unsigned k = 0; k < i; ++k) begin += conn->send_group[k]->length;
+      if (begin + frame->length <= conn->group_done) return;  // it went out whole: too late
       if (begin >= conn->group_done) {
         for (unsigned k = i; k + 1 < conn->send_group_size; ++k) {
           conn->send_group[k] = conn->send_group[k + 1];
         }
         --conn->send_group_size;
         conn->group_length -= frame->length;
-        return finish(frame, transfer_state::cancelled, {});
+        finish(frame, transfer_state::cancelled, {});
+        // What is left of the group may all have gone out already (a short send stopped at
+        // this frame): then it is done, not a sendmsg of nothing.
+        if (conn->group_done == conn->group_length) {
+          backlog_.remove(lead->status);
+          end_send_group(conn, false, {});
+        }
+        return;
       }
       // Part of it went out in an earlier call: the group ends here, as the kernel's would.
       backlog_.remove(lead->status);
