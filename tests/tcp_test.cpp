@@ -353,29 +353,6 @@ TEST_CASE("tcp: cancelling a send grouped behind another that waits for ring roo
   CHECK(receiver.receive(dst, got).wait_for(hang_bound) == transfer_state::failed);
 }
 
-TEST_CASE("tcp: a send put back by a cancel after its connection closed still ends",
-          "[tcp][concurrency]") {
-  FERRY_REQUIRE_URING();
-  ferry::progress_executor exec;
-  uring::ring r(exec, uring::ring_options{.entries = 1});
-  stalled_reads stall(r);
-  int sv[2];
-  REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
-  fd_guard peer(sv[1]);
-  uring::tcp_connection sender(r, sv[0]);
-  const auto payload = byte_pattern(100, 1);
-  ferry::transfer a = sender.send(1, payload);  // waits for room in the ring
-  ferry::transfer b1 = sender.send(2, payload);
-  ferry::transfer b2 = sender.send(3, payload);
-  CHECK(a.wait_for(20ms) == transfer_state::pending);
-  r.cancel(a);  // b1 and b2 form the next group, which waits for room too
-  REQUIRE(a.wait_for(hang_bound) == transfer_state::cancelled);
-  sender.close();  // nothing is queued: b1 and b2 are the group
-  r.cancel(b1);    // ends the group at a boundary: b2, untouched, has no queue left to go back to
-  REQUIRE(b1.wait_for(hang_bound) == transfer_state::cancelled);
-  CHECK(b2.wait_for(hang_bound) == transfer_state::cancelled);
-}
-
 TEST_CASE("tcp: cancelling a grouped send after its connection closed still ends it",
           "[tcp][concurrency]") {
   FERRY_REQUIRE_URING();
@@ -393,12 +370,20 @@ TEST_CASE("tcp: cancelling a grouped send after its connection closed still ends
   CHECK(a.wait_for(20ms) == transfer_state::pending);
   r.cancel(a);  // b1 and b2 form the next group, which waits for room too
   REQUIRE(a.wait_for(hang_bound) == transfer_state::cancelled);
-  sender.close();  // takes the connection off the ring's list; the group still waits
+  sender.close();  // takes the connection off the ring's list; nothing is queued, b1 and b2 are
+                   // the group
   CHECK(b2.wait_for(20ms) == transfer_state::pending);
-  r.cancel(b2);  // found through its group's lead, not through the list
-  REQUIRE(b2.wait_for(hang_bound) == transfer_state::cancelled);
-  stall.release();
-  CHECK(b1.wait_for(hang_bound) != transfer_state::pending);
+  SECTION("the lead: the untouched frame behind it has no queue to go back to, and ends too") {
+    r.cancel(b1);
+    REQUIRE(b1.wait_for(hang_bound) == transfer_state::cancelled);
+    CHECK(b2.wait_for(hang_bound) == transfer_state::cancelled);
+  }
+  SECTION("the frame behind the lead: found through the lead, not through the list") {
+    r.cancel(b2);
+    REQUIRE(b2.wait_for(hang_bound) == transfer_state::cancelled);
+    stall.release();
+    CHECK(b1.wait_for(hang_bound) != transfer_state::pending);
+  }
 }
 
 TEST_CASE("tcp: cancelling the frames left after a short send completes the group instead of "
