@@ -637,9 +637,9 @@ void run_uring(const options& opt) {
   std::printf("%s", spin_table.c_str());
 }
 
-// How the disk's throughput grows with queue depth, for fio and ferry's two coroutine runners. Where
-// it stops growing is the most any program gets from this disk: a depth at which fio is already
-// there leaves ferry nothing to gain on it but a tie.
+// How the disk's throughput grows with queue depth, for fio and ferry's two coroutine runners.
+// Where it stops growing is the most any program gets from this disk: a depth at which fio is
+// already there leaves ferry nothing to gain on it but a tie.
 void run_uring_depth(const options& opt) {
   if (const std::string why = uring_unavailable(); !why.empty()) {
     std::printf("\n## io_uring depth sweep\n\nskipped: io_uring is not available here (%s)\n",

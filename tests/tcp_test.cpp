@@ -67,7 +67,9 @@ void write_all(int fd, const void* p, std::size_t n) {
 class stalled_reads {
  public:
   explicit stalled_reads(uring::ring& r)
-      : buffer_(r.in_flight_limit()), read_ends_(r.in_flight_limit()), write_ends_(r.in_flight_limit()) {
+      : buffer_(r.in_flight_limit()),
+        read_ends_(r.in_flight_limit()),
+        write_ends_(r.in_flight_limit()) {
     for (unsigned i = 0; i < r.in_flight_limit(); ++i) {
       int p[2];
       REQUIRE(::pipe2(p, O_CLOEXEC) == 0);
@@ -99,7 +101,9 @@ std::size_t fill_socket(int fd) {
   std::size_t filled = 0;
   char chunk[4096] = {};
   for (std::size_t n = sizeof chunk; n != 0; n /= 2) {
-    for (ssize_t w; (w = ::send(fd, chunk, n, MSG_NOSIGNAL)) > 0;) filled += static_cast<std::size_t>(w);
+    for (ssize_t w; (w = ::send(fd, chunk, n, MSG_NOSIGNAL)) > 0;) {
+      filled += static_cast<std::size_t>(w);
+    }
   }
   ::fcntl(fd, F_SETFL, flags);
   return filled;
@@ -368,8 +372,12 @@ TEST_CASE("tcp: cancelling a grouped send after its connection closed still ends
   ferry::transfer b1 = sender.send(2, payload);
   ferry::transfer b2 = sender.send(3, payload);
   CHECK(a.wait_for(20ms) == transfer_state::pending);
+  const auto backlogged = r.counters().backlogged;
   r.cancel(a);  // b1 and b2 form the next group, which waits for room too
   REQUIRE(a.wait_for(hang_bound) == transfer_state::cancelled);
+  // a turns cancelled just before the next group forms; a close() before that would simply cancel
+  // b1 and b2 in the queue.
+  REQUIRE(wait_until([&] { return r.counters().backlogged > backlogged; }));
   sender.close();  // takes the connection off the ring's list; nothing is queued, b1 and b2 are
                    // the group
   CHECK(b2.wait_for(20ms) == transfer_state::pending);

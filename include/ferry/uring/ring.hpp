@@ -182,7 +182,7 @@ struct op_body {
   bool cancel_requested = false;
   bool cancelled_at_shutdown = false;
   bool receiving_payload = false;  // a receive has its header and is filling the payload
-  bool frame_cancel = false;       // a send: cancel() named this frame (cancel_requested is the SQE's)
+  bool frame_cancel = false;       // a send frame cancel() named (cancel_requested: its group's SQE)
   int fd = -1;
   int buffer_index = -1;
   std::uint32_t iov_count = 0;
@@ -350,7 +350,8 @@ class ring {
       if (r == -EINTR || r == -EAGAIN || r == -EBUSY) continue;
       if (r < 0) {
         // The kernel may still write into buffers it holds; returning would free them under it.
-        std::fprintf(stderr, "ferry: uring::ring destroyed but waiting for its completions failed (%s)\n",
+        std::fprintf(stderr,
+                     "ferry: uring::ring destroyed but waiting for its completions failed (%s)\n",
                      std::strerror(-r));
         std::abort();
       }
