@@ -16,7 +16,8 @@ block() {
 }
 demo=$(block 1)
 test_command=$(block 2)
-ci_command=$(sed -n 's/^exec //p' "$root/.ci/run")
+# .ci/run's last line is the command it runs.
+ci_command=$(tail -n 1 "$root/.ci/run")
 status=0
 if [ "$demo" != "scripts/quickstart.sh demo" ]; then
   echo "README quick start, first command: '$demo', expected 'scripts/quickstart.sh demo'" >&2
