@@ -121,6 +121,44 @@ bool read_exactly(int fd, std::size_t n) {
   return true;
 }
 
+// A new connected pair of Unix stream sockets; whoever takes an end closes it.
+class socket_pair {
+ public:
+  socket_pair() { REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds_) == 0); }
+  [[nodiscard]] int first() const noexcept { return fds_[0]; }
+  [[nodiscard]] int second() const noexcept { return fds_[1]; }
+
+ private:
+  int fds_[2] = {-1, -1};
+};
+
+// A ring of one entry held full by stalled reads, and three sends a, b1, b2 on a socket pair: a is
+// cancelled while it waits for room, so b1 and b2 form the next group, which waits for room too.
+// The sender owns the first socket; `peer`, the second, is the test's to own.
+struct group_waiting_for_room {
+  ferry::progress_executor exec;
+  uring::ring r{exec, uring::ring_options{.entries = 1}};
+  stalled_reads stall{r};
+  socket_pair sockets;
+  int peer = sockets.second();
+  uring::tcp_connection sender{r, sockets.first()};
+  std::vector<std::byte> pa = byte_pattern(100, 1), pb1 = byte_pattern(100, 2),
+                         pb2 = byte_pattern(100, 3);
+  ferry::transfer a = sender.send(1, pa);  // waits for room in the ring
+  ferry::transfer b1 = sender.send(2, pb1);
+  ferry::transfer b2 = sender.send(3, pb2);
+
+  group_waiting_for_room() {
+    CHECK(a.wait_for(20ms) == transfer_state::pending);
+    const auto backlogged = r.counters().backlogged;
+    r.cancel(a);
+    REQUIRE(a.wait_for(hang_bound) == transfer_state::cancelled);
+    // a turns cancelled just before the next group forms: wait for that group to take its place
+    // in the backlog.
+    REQUIRE(wait_until([&] { return r.counters().backlogged > backlogged; }));
+  }
+};
+
 }  // namespace
 
 TEST_CASE("tcp: framed blocks arrive byte-exact, in order, with their ids", "[tcp][concurrency]") {
@@ -328,69 +366,41 @@ TEST_CASE("tcp: cancelling a send coalesced behind another in a stalled sendmsg 
 TEST_CASE("tcp: cancelling a send grouped behind another that waits for ring room ends it at once",
           "[tcp][concurrency]") {
   FERRY_REQUIRE_URING();
-  ferry::progress_executor exec;
-  uring::ring r(exec, uring::ring_options{.entries = 1});
-  stalled_reads stall(r);
-  int sv[2];
-  REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
-  uring::tcp_connection sender(r, sv[0]);
-  uring::tcp_connection receiver(r, sv[1]);
-  const auto pa = byte_pattern(100, 1), pb1 = byte_pattern(100, 2), pb2 = byte_pattern(100, 3);
-  ferry::transfer a = sender.send(1, pa);  // waits for room in the ring
-  ferry::transfer b1 = sender.send(2, pb1);
-  ferry::transfer b2 = sender.send(3, pb2);
-  CHECK(a.wait_for(20ms) == transfer_state::pending);
-  r.cancel(a);  // b1 and b2 form the next group, which waits for room too
-  REQUIRE(a.wait_for(hang_bound) == transfer_state::cancelled);
-  r.cancel(b2);  // nothing of it reached the kernel: it leaves the group
-  REQUIRE(b2.wait_for(hang_bound) == transfer_state::cancelled);
-  CHECK(b1.wait_for(20ms) == transfer_state::pending);
+  group_waiting_for_room g;
+  uring::tcp_connection receiver(g.r, g.peer);
+  g.r.cancel(g.b2);  // nothing of it reached the kernel: it leaves the group
+  REQUIRE(g.b2.wait_for(hang_bound) == transfer_state::cancelled);
+  CHECK(g.b1.wait_for(20ms) == transfer_state::pending);
 
-  stall.release();
-  REQUIRE(b1.wait_for(hang_bound) == transfer_state::success);
+  g.stall.release();
+  REQUIRE(g.b1.wait_for(hang_bound) == transfer_state::success);
   std::vector<std::byte> dst(100);
   uring::received_block got;
   REQUIRE(receiver.receive(dst, got).wait_for(hang_bound) == transfer_state::success);
   CHECK(got.id == 2);
-  CHECK(dst == pb1);
-  sender.close();
+  CHECK(dst == g.pb1);
+  g.sender.close();
   CHECK(receiver.receive(dst, got).wait_for(hang_bound) == transfer_state::failed);
 }
 
 TEST_CASE("tcp: cancelling a grouped send after its connection closed still ends it",
           "[tcp][concurrency]") {
   FERRY_REQUIRE_URING();
-  ferry::progress_executor exec;
-  uring::ring r(exec, uring::ring_options{.entries = 1});
-  stalled_reads stall(r);
-  int sv[2];
-  REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
-  fd_guard peer(sv[1]);
-  uring::tcp_connection sender(r, sv[0]);
-  const auto payload = byte_pattern(100, 1);
-  ferry::transfer a = sender.send(1, payload);  // waits for room in the ring
-  ferry::transfer b1 = sender.send(2, payload);
-  ferry::transfer b2 = sender.send(3, payload);
-  CHECK(a.wait_for(20ms) == transfer_state::pending);
-  const auto backlogged = r.counters().backlogged;
-  r.cancel(a);  // b1 and b2 form the next group, which waits for room too
-  REQUIRE(a.wait_for(hang_bound) == transfer_state::cancelled);
-  // a turns cancelled just before the next group forms; a close() before that would simply cancel
-  // b1 and b2 in the queue.
-  REQUIRE(wait_until([&] { return r.counters().backlogged > backlogged; }));
-  sender.close();  // takes the connection off the ring's list; nothing is queued, b1 and b2 are
-                   // the group
-  CHECK(b2.wait_for(20ms) == transfer_state::pending);
+  group_waiting_for_room g;
+  fd_guard peer(g.peer);
+  g.sender.close();  // takes the connection off the ring's list; nothing is queued, b1 and b2 are
+                     // the group
+  CHECK(g.b2.wait_for(20ms) == transfer_state::pending);
   SECTION("the lead: the untouched frame behind it has no queue to go back to, and ends too") {
-    r.cancel(b1);
-    REQUIRE(b1.wait_for(hang_bound) == transfer_state::cancelled);
-    CHECK(b2.wait_for(hang_bound) == transfer_state::cancelled);
+    g.r.cancel(g.b1);
+    REQUIRE(g.b1.wait_for(hang_bound) == transfer_state::cancelled);
+    CHECK(g.b2.wait_for(hang_bound) == transfer_state::cancelled);
   }
   SECTION("the frame behind the lead: found through the lead, not through the list") {
-    r.cancel(b2);
-    REQUIRE(b2.wait_for(hang_bound) == transfer_state::cancelled);
-    stall.release();
-    CHECK(b1.wait_for(hang_bound) != transfer_state::pending);
+    g.r.cancel(g.b2);
+    REQUIRE(g.b2.wait_for(hang_bound) == transfer_state::cancelled);
+    g.stall.release();
+    CHECK(g.b1.wait_for(hang_bound) != transfer_state::pending);
   }
 }
 
