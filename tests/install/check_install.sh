@@ -10,6 +10,13 @@ DESTDIR="$scratch/root" meson install -C "$build" --no-rebuild --quiet
 prefix=$(find "$scratch/root" -name ferry.hpp -path '*/include/ferry/*' | head -1)
 prefix=${prefix%/include/ferry/ferry.hpp}
 pcdir=$(dirname "$(find "$scratch/root" -name ferry.pc | head -1)")
+# Headers only: the pkg-config and CMake files belong under share/, which pkg-config and CMake search
+# on every distribution. Under libdir they can land in lib64, which CMake skips on Debian.
+for f in pkgconfig/ferry.pc cmake/ferry/ferryConfig.cmake cmake/ferry/ferryConfigVersion.cmake; do
+  if [ ! -f "$prefix/share/$f" ]; then
+    echo "$f is not installed under $prefix/share" >&2; exit 1
+  fi
+done
 
 echo "pkg-config consumer"
 flags=$(PKG_CONFIG_PATH="$pcdir" PKG_CONFIG_SYSROOT_DIR="$scratch/root" pkg-config --cflags --libs ferry)
@@ -19,8 +26,10 @@ flags=$(PKG_CONFIG_PATH="$pcdir" PKG_CONFIG_SYSROOT_DIR="$scratch/root" pkg-conf
 
 if command -v cmake >/dev/null 2>&1; then
   echo "CMake consumer"
-  cmake -S "$source/tests/install" -B "$scratch/cmake-build" -DCMAKE_PREFIX_PATH="$prefix" \
-    -DCMAKE_CXX_COMPILER="$cxx" >/dev/null
+  # Ninja, which the quick start installs for Meson: CMake's default generator needs make, which a
+  # fresh Debian 12 machine does not have.
+  cmake -G Ninja -S "$source/tests/install" -B "$scratch/cmake-build" \
+    -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_CXX_COMPILER="$cxx" >/dev/null
   cmake --build "$scratch/cmake-build" >/dev/null
   "$scratch/cmake-build/consumer"
 else
