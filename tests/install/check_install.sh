@@ -32,6 +32,21 @@ if command -v cmake >/dev/null 2>&1; then
     -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_CXX_COMPILER="$cxx" >/dev/null
   cmake --build "$scratch/cmake-build" >/dev/null
   "$scratch/cmake-build/consumer"
+  # The version file: requests the installed version meets, and ones it must refuse.
+  want() {
+    rm -rf "$scratch/cmake-want"
+    cmake -G Ninja -S "$source/tests/install" -B "$scratch/cmake-want" \
+      -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_CXX_COMPILER="$cxx" -DFERRY_WANT="$1" >/dev/null 2>&1
+  }
+  version=$(sed -n 's/^set(PACKAGE_VERSION "\(.*\)")$/\1/p' "$prefix/share/cmake/ferry/ferryConfigVersion.cmake")
+  major=${version%%.*}
+  for ok in "$version" "$major.0" "$major.0...<$((major + 1))" "$major.0...$version"; do
+    want "$ok" || { echo "find_package(ferry $ok) refused ferry $version" >&2; exit 1; }
+  done
+  for refused in "$((major + 1)).0" "$major.999" "$((major + 1)).0...$((major + 2)).0" \
+                 "$major.0...<$major.0.1"; do
+    if want "$refused"; then echo "find_package(ferry $refused) accepted ferry $version" >&2; exit 1; fi
+  done
 else
   echo "cmake not installed: CMake consumer not checked"; exit 77
 fi
