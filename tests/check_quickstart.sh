@@ -1,6 +1,8 @@
 #!/bin/sh
 # The README's quick-start commands are the ones CI and the scripts run: its second command block
-# under "## Quick start" must be exactly what .ci/run executes, and both blocks must name a mode
+# under "## Quick start" must be exactly what .ci/run executes on a machine that cannot make a fresh
+# Debian 12 (its last line), .ci/run must otherwise run both modes through scripts/fresh_debian.sh,
+# which must run scripts/quickstart.sh with that mode, and both blocks must name a mode
 # scripts/quickstart.sh accepts.
 # Usage: check_quickstart.sh SOURCE_ROOT
 set -eu
@@ -29,6 +31,17 @@ if [ "$test_command" != "scripts/quickstart.sh test" ]; then
 fi
 if [ "$ci_command" != "$test_command" ]; then
   echo ".ci/run executes '$ci_command', but the README's test command is '$test_command'" >&2
+  status=1
+fi
+# Where CI can, it runs both commands through fresh_debian.sh, which must run them as written.
+for mode in demo test; do
+  if ! grep -qx "  exec scripts/fresh_debian.sh $mode\|  scripts/fresh_debian.sh $mode" "$root/.ci/run"; then
+    echo ".ci/run does not run 'scripts/fresh_debian.sh $mode'" >&2
+    status=1
+  fi
+done
+if ! grep -q 'cd /root/ferry && scripts/quickstart.sh \$mode' "$root/scripts/fresh_debian.sh"; then
+  echo "scripts/fresh_debian.sh does not run 'scripts/quickstart.sh \$mode' in the new root" >&2
   status=1
 fi
 [ "$status" -eq 0 ] && echo "README quick start and .ci/run agree: $test_command"
