@@ -33,14 +33,22 @@ if [ "$ci_command" != "$test_command" ]; then
   echo ".ci/run executes '$ci_command', but the README's test command is '$test_command'" >&2
   status=1
 fi
-# Where CI can, it runs both commands through fresh_debian.sh, which must run them as written.
-for mode in demo test; do
-  if ! grep -qx "  exec scripts/fresh_debian.sh $mode\|  scripts/fresh_debian.sh $mode" "$root/.ci/run"; then
-    echo ".ci/run does not run 'scripts/fresh_debian.sh $mode'" >&2
-    status=1
-  fi
-done
-if ! grep -q 'cd /root/ferry && scripts/quickstart.sh \$mode' "$root/scripts/fresh_debian.sh"; then
+# Where CI can, it runs both commands, in that order, through fresh_debian.sh, which must run them
+# as written.
+fresh_block=$(awk '/^if scripts\/fresh_debian.sh check; then$/ { on = 1 } on { print } on && /^fi$/ { exit }' \
+  "$root/.ci/run")
+expected_block='if scripts/fresh_debian.sh check; then
+  scripts/fresh_debian.sh demo
+  exec scripts/fresh_debian.sh test
+fi'
+if [ "$fresh_block" != "$expected_block" ]; then
+  echo ".ci/run does not run both modes through scripts/fresh_debian.sh; expected:" >&2
+  echo "$expected_block" >&2
+  status=1
+fi
+# shellcheck disable=SC2016
+if ! grep -Fqx '    /bin/sh -c "cd /root/ferry && scripts/quickstart.sh $mode"' \
+     "$root/scripts/fresh_debian.sh"; then
   echo "scripts/fresh_debian.sh does not run 'scripts/quickstart.sh \$mode' in the new root" >&2
   status=1
 fi

@@ -36,7 +36,8 @@ if command -v cmake >/dev/null 2>&1; then
   want() {
     rm -rf "$scratch/cmake-want"
     cmake -G Ninja -S "$source/tests/install" -B "$scratch/cmake-want" \
-      -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_CXX_COMPILER="$cxx" -DFERRY_WANT="$1" >/dev/null 2>&1
+      -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_CXX_COMPILER="$cxx" -DFERRY_WANT="$1" \
+      >"$scratch/want.log" 2>&1
   }
   version=$(sed -n 's/^set(PACKAGE_VERSION "\(.*\)")$/\1/p' "$prefix/share/cmake/ferry/ferryConfigVersion.cmake")
   major=${version%%.*}
@@ -46,6 +47,12 @@ if command -v cmake >/dev/null 2>&1; then
   for refused in "$((major + 1)).0" "$major.999" "$((major + 1)).0...$((major + 2)).0" \
                  "$major.0...<$major.0.1"; do
     if want "$refused"; then echo "find_package(ferry $refused) accepted ferry $version" >&2; exit 1; fi
+    # Refused for its version, not for something else going wrong.
+    if ! grep -q "considered but not accepted" "$scratch/want.log"; then
+      cat "$scratch/want.log" >&2
+      echo "find_package(ferry $refused) failed, but not for the version (log above)" >&2
+      exit 1
+    fi
   done
 else
   echo "cmake not installed: CMake consumer not checked"; exit 77
