@@ -86,8 +86,34 @@ setsid unshare --mount --fork --propagation private sh -eu -c '
     /bin/sh -c "cd /root/ferry && scripts/quickstart.sh $mode"
 ' fresh_debian "$work" "$mode" "$mirror" &
 child=$!
+# The run's mount namespace, once unshare has made it: a process that left the run's session (dpkg
+# makes one of its own) is still in it.
+here=$(readlink /proc/self/ns/mnt)
+ns=$here
+for _ in 1 2 3 4 5 6 7 8 9 10; do
+  # Gone already: then there is nothing to look for (and $here matches nothing below).
+  ns=$(readlink "/proc/$child/ns/mnt" 2>/dev/null) || { ns=$here; break; }
+  [ "$ns" != "$here" ] && break
+  sleep 0.1
+done
+in_namespace() {
+  for p in /proc/[0-9]*; do
+    [ "$(readlink "$p/ns/mnt" 2>/dev/null)" = "$ns" ] && echo "${p#/proc/}"
+  done
+}
 stop() {
   kill -TERM "-$child" 2>/dev/null || true  # dash's kill takes no --
+  if [ "$ns" != "$here" ]; then
+    for _ in 1 2 3 4 5 6 7 8 9 10; do
+      left=$(in_namespace)
+      [ -z "$left" ] && break
+      # shellcheck disable=SC2086
+      kill -TERM $left 2>/dev/null || true
+      sleep 1
+    done
+    # shellcheck disable=SC2086
+    [ -z "$left" ] || kill -KILL $left 2>/dev/null || true
+  fi
   wait "$child" 2>/dev/null || true
   exit "$1"
 }
