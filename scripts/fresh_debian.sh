@@ -4,7 +4,8 @@
 # files), all inside a private mount namespace. Packages installed on this machine by hand cannot
 # hide a missing install step there.
 #   scripts/fresh_debian.sh check       exits 0 if this machine can make such a root (root user,
-#                                       mounts in a mount namespace, debootstrap: installed if missing)
+#                                       mounts in a mount namespace, debootstrap: installed if
+#                                       missing)
 #   scripts/fresh_debian.sh demo|test   runs scripts/quickstart.sh demo|test in a new root
 # Needs root and the network (debootstrap and apt fetch from deb.debian.org).
 set -eu

@@ -35,8 +35,11 @@ if [ "$ci_command" != "$test_command" ]; then
 fi
 # Where CI can, it runs both commands, in that order, through fresh_debian.sh, which must run them
 # as written.
-fresh_block=$(awk '/^if scripts\/fresh_debian.sh check; then$/ { on = 1 } on { print } on && /^fi$/ { exit }' \
-  "$root/.ci/run")
+fresh_block=$(awk '
+  /^if scripts\/fresh_debian.sh check; then$/ { on = 1 }
+  on { print }
+  on && /^fi$/ { exit }
+' "$root/.ci/run")
 expected_block='if scripts/fresh_debian.sh check; then
   scripts/fresh_debian.sh demo
   exec scripts/fresh_debian.sh test

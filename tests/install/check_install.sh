@@ -10,8 +10,8 @@ DESTDIR="$scratch/root" meson install -C "$build" --no-rebuild --quiet
 prefix=$(find "$scratch/root" -name ferry.hpp -path '*/include/ferry/*' | head -1)
 prefix=${prefix%/include/ferry/ferry.hpp}
 pcdir=$(dirname "$(find "$scratch/root" -name ferry.pc | head -1)")
-# Headers only: the pkg-config and CMake files belong under share/, which pkg-config and CMake search
-# on every distribution. Under libdir they can land in lib64, which CMake skips on Debian.
+# Headers only: the pkg-config and CMake files belong under share/, which pkg-config and CMake
+# search on every distribution. Under libdir they can land in lib64, which CMake skips on Debian.
 for f in pkgconfig/ferry.pc cmake/ferry/ferryConfig.cmake cmake/ferry/ferryConfigVersion.cmake; do
   if [ ! -f "$prefix/share/$f" ]; then
     echo "$f is not installed under $prefix/share" >&2; exit 1
@@ -39,14 +39,17 @@ if command -v cmake >/dev/null 2>&1; then
       -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_CXX_COMPILER="$cxx" -DFERRY_WANT="$1" \
       >"$scratch/want.log" 2>&1
   }
-  version=$(sed -n 's/^set(PACKAGE_VERSION "\(.*\)")$/\1/p' "$prefix/share/cmake/ferry/ferryConfigVersion.cmake")
+  version=$(sed -n 's/^set(PACKAGE_VERSION "\(.*\)")$/\1/p' \
+    "$prefix/share/cmake/ferry/ferryConfigVersion.cmake")
   major=${version%%.*}
   for ok in "$version" "$major.0" "$major.0...<$((major + 1))" "$major.0...$version"; do
     want "$ok" || { echo "find_package(ferry $ok) refused ferry $version" >&2; exit 1; }
   done
   for refused in "$((major + 1)).0" "$major.999" "$((major + 1)).0...$((major + 2)).0" \
                  "$major.0...<$major.0.1"; do
-    if want "$refused"; then echo "find_package(ferry $refused) accepted ferry $version" >&2; exit 1; fi
+    if want "$refused"; then
+      echo "find_package(ferry $refused) accepted ferry $version" >&2; exit 1
+    fi
     # Refused for its version, not for something else going wrong.
     if ! grep -q "considered but not accepted" "$scratch/want.log"; then
       cat "$scratch/want.log" >&2
