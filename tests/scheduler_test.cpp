@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include <atomic>
+#include <memory>
 #include <random>
 #include <stdexcept>
 #include <thread>
@@ -267,6 +268,66 @@ TEST_CASE("sync_wait drives a user's run_loop, running other work posted to it",
   }());
   CHECK(state == transfer_state::success);
   CHECK(dst == src);
+}
+
+TEST_CASE("run_loop: the loop may be destroyed as soon as run() returns to a stop from another "
+          "thread",
+          "[scheduler][concurrency]") {
+  // sync_wait's loop lives just that long: it is freed the moment run() returns. A stop() that
+  // still wrote to the loop after making the stop visible is a use after free, which TSan names
+  // (it did for the stop that set a flag and then moved the futex word, in most runs of this test).
+  std::minstd_rand pause(11);
+  constexpr int rounds = 2000;
+  for (int i = 0; i < rounds; ++i) {
+    auto loop = std::make_unique<ferry::run_loop>(i % 2 == 0 ? 0ns : 20us);
+    std::atomic<bool> running{false};
+    std::thread stopper([&running, raw = loop.get(), spin = pause() % 2000] {
+      while (!running.load()) std::this_thread::yield();
+      for (unsigned k = 0; k < spin; ++k) ferry::detail::cpu_relax();
+      raw->stop();
+    });
+    running.store(true);
+    loop->run();
+    loop.reset();
+    stopper.join();
+  }
+}
+
+TEST_CASE("task: a caller resumes on its own scheduler even when the task it awaited ended on "
+          "another thread",
+          "[scheduler][concurrency]") {
+  // The child goes on, through resume_on, on the thread that completes its transfer, and ends
+  // there. Transferring straight back would run the caller on that thread too, off its run_loop.
+  // A round where the transfer completed before the child suspended shows nothing (the child never
+  // moved), so rounds repeat until enough of them did move.
+  ferry::inline_scheduler on_completer;
+  const auto child = [](ferry::transfer t, ferry::inline_scheduler& s,
+                        std::atomic<bool>& awaiting) -> ferry::task<std::thread::id> {
+    awaiting.store(true);
+    (void)co_await ferry::resume_on(s, t);
+    co_return std::this_thread::get_id();
+  };
+  int moved = 0;
+  for (int round = 0; round < 1000 && moved < 20; ++round) {
+    std::atomic<bool> awaiting{false};
+    auto [t, c] = ferry::make_manual_transfer();
+    std::thread completer([&awaiting, c = std::move(c)]() mutable {
+      while (!awaiting.load()) std::this_thread::yield();
+      std::this_thread::sleep_for(1ms);
+      (void)c.succeed();
+    });
+    const auto ids = ferry::sync_wait([](auto child, ferry::transfer t, ferry::inline_scheduler& s,
+                                         std::atomic<bool>& awaiting)
+                                          -> ferry::task<std::pair<std::thread::id, std::thread::id>> {
+      const std::thread::id child_ended_on = co_await child(t, s, awaiting);
+      co_return std::pair{child_ended_on, std::this_thread::get_id()};
+    }(child, t, on_completer, awaiting));
+    completer.join();
+    if (ids.first == std::this_thread::get_id()) continue;  // the child never left
+    ++moved;
+    REQUIRE(ids.second == std::this_thread::get_id());  // the caller went on on sync_wait's loop
+  }
+  CHECK(moved == 20);
 }
 
 TEST_CASE("a user's promise naming its scheduler by value resumes on that scheduler",

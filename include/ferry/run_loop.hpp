@@ -77,14 +77,15 @@ class run_loop {
     return ran;
   }
 
-  // Ends the current run() (or the next, if none is running). Any thread; the loop must outlive the
-  // call, which still touches it after the running thread may have seen the stop and returned.
-  // Takes no lock (so a signal handler may call it): it moves the epoch without claiming the
-  // sleepers, whose registrations then stay counted until the next post claims them (one futex call
-  // that wakes nobody).
+  // Ends the current run() (or the next, if none is running). Any thread, a signal handler included
+  // (it takes no lock). The stop is one atomic operation on the futex word, and run() cannot return
+  // before it: after it, stop() only names the word's address to the kernel, which reads nothing
+  // there. So the loop may be destroyed as soon as run() returns, even while stop() is still in the
+  // wake (sync_wait's task may finish, and stop its loop, on another thread). Sleepers are not
+  // claimed: their registrations stay counted until the next post claims them (one futex call that
+  // wakes nobody).
   void stop() noexcept {
-    stop_.store(true, std::memory_order_release);
-    epoch_.fetch_add(1, std::memory_order_release);
+    epoch_.fetch_or(stop_bit, std::memory_order_release);
     detail::futex_wake_all(epoch_);
   }
 
@@ -94,9 +95,13 @@ class run_loop {
   }
 
  private:
+  [[nodiscard]] bool stop_requested(std::memory_order order) const noexcept {
+    return (epoch_.load(order) & stop_bit) != 0;
+  }
+
   bool take_stop() noexcept {
-    return stop_.load(std::memory_order_acquire) &&
-           stop_.exchange(false, std::memory_order_acq_rel);
+    return stop_requested(std::memory_order_acquire) &&
+           (epoch_.fetch_and(~stop_bit, std::memory_order_acq_rel) & stop_bit) != 0;
   }
 
   // Under mutex_. Takes every registered sleeper for one wake, which the caller then makes: the
@@ -105,7 +110,7 @@ class run_loop {
   bool claim_sleepers() noexcept {
     if (sleepers_ == 0) return false;
     sleepers_ = 0;
-    epoch_.fetch_add(1, std::memory_order_relaxed);
+    epoch_.fetch_add(epoch_step, std::memory_order_relaxed);
     return true;
   }
 
@@ -116,7 +121,8 @@ class run_loop {
     for (;;) {
       // Reading the clock costs more than a look at the queue: look 32 times between readings.
       for (int i = 0; i < 32; ++i) {
-        if (queued_.load(std::memory_order_relaxed) != 0 || stop_.load(std::memory_order_relaxed)) {
+        if (queued_.load(std::memory_order_relaxed) != 0 ||
+            stop_requested(std::memory_order_relaxed)) {
           return true;
         }
         detail::cpu_relax();
@@ -126,14 +132,14 @@ class run_loop {
   }
 
   // The epoch is read first: a stop() (which takes no lock) that lands after this read moves it, and
-  // one that landed before is seen in stop_. A post cannot slip in unseen either: it queues under
+  // one that landed before is seen in its bit. A post cannot slip in unseen either: it queues under
   // mutex_, where this thread looks at the queue, and claims under it too.
   void wait_for_work() {
     if (spin_for_work()) return;
     const std::uint32_t epoch = epoch_.load(std::memory_order_acquire);
     {
       std::lock_guard lock(mutex_);
-      if (count_ != 0 || stop_.load(std::memory_order_acquire)) return;
+      if (count_ != 0 || (epoch & stop_bit) != 0) return;
       ++sleepers_;
     }
     detail::futex_wait(epoch_, epoch);
@@ -179,8 +185,11 @@ class run_loop {
   // Under mutex_: at least the number of sleepers no post has claimed yet (stop() leaves it high;
   // 64 bits, so that no number of stops between two posts can wrap it to zero).
   std::uint64_t sleepers_ = 0;
-  std::atomic<std::uint32_t> epoch_{0};  // the futex word: moved by every claim and every stop()
-  std::atomic<bool> stop_{false};
+  // The futex word: a count moved by every claim, and below it the stop bit, so that a stop also
+  // moves the word (waking a sleeper) in the same single operation.
+  static constexpr std::uint32_t stop_bit = 1;
+  static constexpr std::uint32_t epoch_step = 2;
+  std::atomic<std::uint32_t> epoch_{0};
 };
 
 }  // namespace ferry

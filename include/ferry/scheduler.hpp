@@ -191,7 +191,13 @@ class resume_on_awaitable {
           inner_(detail::get_awaiter(static_cast<stored&&>(a))) {}
 
     bool await_ready() { return inner_.await_ready(); }
-    decltype(auto) await_suspend(std::coroutine_handle<> h) {
+    // A ferry::task told first that it is leaving its own scheduler hands its result back through
+    // that scheduler when it ends, so that whoever awaits it goes on where it belongs.
+    template <class Promise>
+    decltype(auto) await_suspend(std::coroutine_handle<Promise> h) {
+      if constexpr (requires(Promise& p) { p.note_resumed_elsewhere(); }) {
+        h.promise().note_resumed_elsewhere();
+      }
       return inner_.await_suspend_on(h, scheduler_);
     }
     decltype(auto) await_resume() { return inner_.await_resume(); }

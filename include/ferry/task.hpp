@@ -32,9 +32,11 @@ class task_promise_base {
     std::coroutine_handle<> await_suspend(std::coroutine_handle<Promise> h) noexcept {
       task_promise_base& p = h.promise();
       if (!p.continuation_) return std::noop_coroutine();
-      if (p.post_continuation_) {
-        // resume_on asked for the awaiting coroutine to resume through the scheduler. Posting may
-        // resume it, and it may destroy this frame, at once: nothing touches `p` after this.
+      if (p.post_continuation_ || p.resumed_elsewhere_) {
+        // resume_on asked for the awaiting coroutine to resume through the scheduler; or this task
+        // went on elsewhere through a resume_on of its own, may be ending on another thread, and
+        // hands back through the scheduler it inherited. Posting may resume the awaiting
+        // coroutine, and it may destroy this frame, at once: nothing touches `p` after this.
         const any_scheduler s = p.scheduler_;
         s.post(p.continuation_);
         return std::noop_coroutine();
@@ -48,6 +50,9 @@ class task_promise_base {
   final_awaiter final_suspend() noexcept { return {}; }
 
   void unhandled_exception() noexcept { error_ = std::current_exception(); }
+
+  // resume_on, inside this task: from here it may run on another scheduler's thread.
+  void note_resumed_elsewhere() noexcept { resumed_elsewhere_ = true; }
 
   void start(std::coroutine_handle<> continuation, any_scheduler s, bool post_continuation) noexcept {
     continuation_ = continuation;
@@ -64,6 +69,7 @@ class task_promise_base {
   any_scheduler scheduler_;
   std::coroutine_handle<> continuation_;
   bool post_continuation_ = false;
+  bool resumed_elsewhere_ = false;
   std::exception_ptr error_;
 };
 
@@ -124,7 +130,8 @@ class [[nodiscard]] task {
     bool await_ready() const noexcept { return !handle_ || handle_.done(); }
 
     // Awaited from a coroutine with a scheduler: the task inherits it, starts inline and, when it
-    // finishes, transfers straight back to the awaiting coroutine.
+    // finishes, transfers straight back to the awaiting coroutine (through the scheduler, if the
+    // task went elsewhere with resume_on meanwhile).
     template <class Promise>
     std::coroutine_handle<> await_suspend(std::coroutine_handle<Promise> h) {
       if constexpr (detail::promise_with_scheduler<Promise>) {
