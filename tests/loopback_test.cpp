@@ -87,6 +87,47 @@ TEST_CASE("loopback spills past its ring and loses nothing", "[loopback][concurr
   for (auto& d : dsts) REQUIRE(d == src);
 }
 
+TEST_CASE("loopback copies that spill past its ring complete in the order they were made",
+          "[loopback][concurrency]") {
+  // Everything is submitted, and every completion hooked, from the executor's own thread (inside
+  // another backend's completion), so nothing completes in between: the order seen is the order
+  // the executor takes the requests in. Taken newest first, the spilled ones would come reversed,
+  // and under load the oldest could wait behind ever newer ones.
+  ferry::progress_executor exec;
+  ferry::loopback_backend starter{exec};
+  ferry::loopback_backend lb{exec, ferry::loopback_options{4}};
+  constexpr std::size_t n = 100;
+  const auto src = pattern(64, 5);
+  std::vector<std::vector<std::byte>> dsts(n, std::vector<std::byte>(64));
+  std::vector<std::byte> kick_dst(1);
+  const std::byte kick_src[1] = {};
+  std::vector<std::size_t> order;  // appended on the executor thread only
+  std::vector<ferry::transfer> copies;
+  std::atomic<bool> submitted{false};
+  ferry::inline_scheduler on_executor;
+  [](ferry::transfer kick, ferry::inline_scheduler& s, ferry::loopback_backend& lb,
+     const std::vector<std::byte>& src, std::vector<std::vector<std::byte>>& dsts,
+     std::vector<ferry::transfer>& copies, std::vector<std::size_t>& order,
+     std::atomic<bool>& submitted) -> detached_inline {
+    (void)co_await ferry::resume_on(s, kick);  // on the executor thread from here
+    for (auto& d : dsts) copies.push_back(lb.copy(d, src));
+    for (std::size_t i = 0; i < copies.size(); ++i) {
+      [](ferry::transfer t, ferry::inline_scheduler& s, std::vector<std::size_t>& order,
+         std::size_t i) -> detached_inline {
+        (void)co_await ferry::resume_on(s, t);
+        order.push_back(i);
+      }(copies[i], s, order, i);
+    }
+    submitted.store(true);
+  }(starter.copy(kick_dst, kick_src), on_executor, lb, src, dsts, copies, order, submitted);
+  REQUIRE(wait_until([&] { return submitted.load(); }));
+  REQUIRE(ferry::wait_all(copies, hang_bound).verdict == verdict::success);
+  exec.sync();  // the round that completed the last copy, and ran its waiter, is over
+  std::vector<std::size_t> expected(n);
+  std::iota(expected.begin(), expected.end(), std::size_t{0});
+  CHECK(order == expected);
+}
+
 TEST_CASE("many threads submit to one loopback; every completion is accounted for",
           "[loopback][concurrency]") {
   ferry::progress_executor exec;

@@ -6,11 +6,11 @@
 
 #include <cstddef>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <mutex>
 #include <span>
 #include <stdexcept>
-#include <vector>
 
 #include "ferry/detail/mpsc_ring.hpp"
 #include "ferry/detail/status_block.hpp"
@@ -64,7 +64,9 @@ class loopback_backend {
     }
     detail::status_block* s = detail::status_block::make();
     const request r{dst.data(), src.data(), bytes, s};
-    if (!ring_.try_push(r)) {
+    // Once requests spill, later ones queue behind them: the executor takes them in order, and none
+    // waits for ever behind a ring that keeps refilling.
+    if (overflow_size_.load(std::memory_order_acquire) != 0 || !ring_.try_push(r)) {
       std::lock_guard lock(overflow_mutex_);
       try {
         overflow_.push_back(r);
@@ -90,8 +92,8 @@ class loopback_backend {
     if (done < budget && overflow_size_.load(std::memory_order_acquire) != 0) {
       std::lock_guard lock(overflow_mutex_);
       while (done < budget && !overflow_.empty()) {
-        perform(overflow_.back());
-        overflow_.pop_back();
+        perform(overflow_.front());
+        overflow_.pop_front();
         ++done;
       }
       overflow_size_.store(overflow_.size(), std::memory_order_release);
@@ -127,7 +129,7 @@ class loopback_backend {
   progress_executor& exec_;
   detail::mpsc_ring<request> ring_;
   std::mutex overflow_mutex_;
-  std::vector<request> overflow_;
+  std::deque<request> overflow_;
   std::atomic<std::size_t> overflow_size_{0};
 };
 
