@@ -41,9 +41,12 @@ std::byte expected(std::uint64_t id, std::size_t i) {
 
 int prefill(const shape& s, std::uint16_t port) {
   ferry::progress_executor exec;
+  // Declared before the ring, so freed after it: whatever happens below (a send still in flight at
+  // the deadline), the ring's destructor waits out everything the kernel holds before the KV
+  // buffers go, and the connection (closed first) ends what was still queued.
+  std::vector<std::vector<std::byte>> kv(s.layers * s.blocks, std::vector<std::byte>(s.block_bytes));
   uring::ring ring(exec);
   uring::tcp_connection conn = uring::tcp_connection::connect(ring, "127.0.0.1", port);
-  std::vector<std::vector<std::byte>> kv(s.layers * s.blocks, std::vector<std::byte>(s.block_bytes));
   std::vector<ferry::transfer> sends;
   for (std::size_t layer = 0; layer < s.layers; ++layer) {
     for (std::size_t b = 0; b < s.blocks; ++b) {
@@ -52,7 +55,6 @@ int prefill(const shape& s, std::uint16_t port) {
       sends.push_back(conn.send(id, kv[id]));  // layer by layer, as prefill produces them
     }
   }
-  // The KV buffers may be freed only once every send is terminal.
   const ferry::batch_result r = ferry::drain(sends, 30s);
   if (!r.ok()) {
     std::fprintf(stderr, "prefill: send %zu failed: %s\n", r.first_failed.value_or(0),
@@ -98,19 +100,19 @@ ferry::task<bool> forward_pass(const shape& s, uring::tcp_connection& conn,
       }
     }
   }
-  // Whatever happened, nothing may still be writing into kv when it is freed: close the connection
-  // (ending any receive still waiting) and drain.
+  // Whatever happened, end the receives still waiting (decode's ring then waits out any the kernel
+  // holds, before the buffers they write into are freed).
   conn.close();
-  (void)ferry::drain(loads, 10s);
   co_return ok;
 }
 
 int decode(const shape& s, uring::tcp_listener& listener) {
   ferry::progress_executor exec;
-  uring::ring ring(exec);
-  uring::tcp_connection conn = listener.accept(ring);
+  // Before the ring, as in prefill: freed only once the ring has nothing of theirs in the kernel.
   std::vector<std::vector<std::byte>> kv(s.layers * s.blocks, std::vector<std::byte>(s.block_bytes));
   std::vector<uring::received_block> got(kv.size());
+  uring::ring ring(exec);
+  uring::tcp_connection conn = listener.accept(ring);
   ferry::run_loop engine;  // the decode engine's own scheduler, driven by this thread
   const bool ok = ferry::sync_wait(engine, forward_pass(s, conn, kv, got));
   std::printf("decode: %zu layers x %zu blocks of %zu KiB %s\n", s.layers, s.blocks,

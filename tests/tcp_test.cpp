@@ -121,6 +121,11 @@ bool read_exactly(int fd, std::size_t n) {
   return true;
 }
 
+// The most one sendmsg moves (the kernel's MAX_RW_COUNT: INT_MAX rounded down to a page).
+std::size_t max_rw_count() {
+  return 0x7fffffffu & ~(static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)) - 1);
+}
+
 // A new connected pair of Unix stream sockets; whoever takes an end closes it.
 class socket_pair {
  public:
@@ -284,6 +289,14 @@ TEST_CASE("tcp: a peer that closes between blocks, or sends garbage, or too much
     REQUIRE(later.wait_for(hang_bound) == transfer_state::failed);
     CHECK(later.error() == ferry::errc::connection_broken);
   }
+  SECTION("a header whose reserved field is not zero") {
+    uring::detail::frame_header h;
+    h.reserved = 1;
+    write_all(peer.get(), &h, sizeof h);
+    ferry::transfer t = conn.receive(dst, got);
+    REQUIRE(t.wait_for(hang_bound) == transfer_state::failed);
+    CHECK(t.error() == ferry::errc::bad_frame);
+  }
   SECTION("a block larger than the destination") {
     uring::detail::frame_header h;
     h.length = dst.size() + 1;
@@ -381,91 +394,6 @@ TEST_CASE("tcp: cancelling a send grouped behind another that waits for ring roo
   CHECK(dst == g.pb1);
   g.sender.close();
   CHECK(receiver.receive(dst, got).wait_for(hang_bound) == transfer_state::failed);
-}
-
-TEST_CASE("tcp: cancelling a grouped send after its connection closed still ends it",
-          "[tcp][concurrency]") {
-  FERRY_REQUIRE_URING();
-  group_waiting_for_room g;
-  fd_guard peer(g.peer);
-  g.sender.close();  // takes the connection off the ring's list; nothing is queued, b1 and b2 are
-                     // the group
-  CHECK(g.b2.wait_for(20ms) == transfer_state::pending);
-  SECTION("the lead: the untouched frame behind it has no queue to go back to, and ends too") {
-    g.r.cancel(g.b1);
-    REQUIRE(g.b1.wait_for(hang_bound) == transfer_state::cancelled);
-    CHECK(g.b2.wait_for(hang_bound) == transfer_state::cancelled);
-  }
-  SECTION("the frame behind the lead: found through the lead, not through the list") {
-    g.r.cancel(g.b2);
-    REQUIRE(g.b2.wait_for(hang_bound) == transfer_state::cancelled);
-    g.stall.release();
-    CHECK(g.b1.wait_for(hang_bound) != transfer_state::pending);
-  }
-}
-
-TEST_CASE("tcp: cancelling the frames left after a short send completes the group instead of "
-          "sending nothing",
-          "[tcp][concurrency]") {
-  // One sendmsg moves at most MAX_RW_COUNT bytes (2 GiB less a page). A group whose lead frame is
-  // exactly that long stops at the boundary behind it, and its continuation waits for ring room;
-  // cancelling the rest leaves nothing to send, which must end the group, not go out as an empty
-  // sendmsg whose 0 reads as a closed peer.
-  FERRY_REQUIRE_URING();
-  ferry::progress_executor exec;
-  uring::ring r(exec, uring::ring_options{.entries = 1});
-  int sv[2];
-  REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
-  fd_guard peer_end(sv[1]);
-  const std::size_t filled = fill_socket(sv[0]);
-  uring::tcp_connection sender(r, sv[0]);
-  constexpr std::size_t max_rw = 0x7ffff000;  // MAX_RW_COUNT with 4 KiB pages
-  const std::size_t big = max_rw - sizeof(uring::detail::frame_header);
-  void* zeros = ::mmap(nullptr, big, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  REQUIRE(zeros != MAP_FAILED);
-  const auto small = byte_pattern(100, 1);
-  ferry::transfer first = sender.send(0, small);  // stalls on the full socket, alone in its group
-  ferry::transfer lead = sender.send(1, std::span(static_cast<const std::byte*>(zeros), big));
-  ferry::transfer tail = sender.send(2, small);  // the next group: lead and tail
-  std::atomic<bool> read_lead{false};
-  std::atomic<bool> peer_ok{true};
-  std::thread peer([&] {
-    // The filler and the first frame; then, when told, exactly one sendmsg's worth: the lead.
-    if (!read_exactly(sv[1], filled + sizeof(uring::detail::frame_header) + small.size())) {
-      peer_ok = false;
-    }
-    while (!read_lead.load()) std::this_thread::sleep_for(1ms);
-    if (!read_exactly(sv[1], max_rw)) peer_ok = false;
-  });
-  // If an assertion below fails, the peer is released and joined before anything it uses goes.
-  struct peer_guard {
-    std::thread& thread;
-    std::atomic<bool>& go;
-    int fd;
-    ~peer_guard() {
-      if (!thread.joinable()) return;
-      go = true;
-      ::shutdown(fd, SHUT_RDWR);
-      thread.join();
-    }
-  } guard{peer, read_lead, sv[1]};
-  REQUIRE(first.wait_for(hang_bound) == transfer_state::success);
-  stalled_reads stall(r);  // beside the group's sendmsg; later work waits for room
-  const auto backlogged = r.counters().backlogged;
-  read_lead = true;
-  // The kernel returns the lead's bytes, and the continuation for the tail waits for room.
-  REQUIRE(wait_until([&] { return r.counters().backlogged > backlogged; }));
-  CHECK(tail.state() == transfer_state::pending);
-  r.cancel(tail);
-  REQUIRE(tail.wait_for(hang_bound) == transfer_state::cancelled);
-  REQUIRE(lead.wait_for(hang_bound) == transfer_state::success);
-  stall.release();
-  peer.join();
-  REQUIRE(peer_ok);
-  // The connection is still sound: the next frame goes out whole.
-  ferry::transfer after = sender.send(3, small);
-  REQUIRE(after.wait_for(hang_bound) == transfer_state::success);
-  ::munmap(zeros, big);
 }
 
 TEST_CASE("tcp: random cancels of stalled sends: every one ends, and the peer gets exactly the "
@@ -606,4 +534,247 @@ TEST_CASE("tcp: cancelling sends stuck on a full socket ends every one, and the 
   reader.join();
   CHECK(intact);
   CHECK(received == succeeded);
+}
+
+TEST_CASE("tcp: a receive whose frame has arrived is not held up behind idle receives elsewhere",
+          "[tcp][concurrency]") {
+  // Room for one receive: `busy`'s waits in the kernel, `idle`'s (whose peer never sends) waits for
+  // room. busy's header arrives; the rest of its frame must go on in the place it had. Queued
+  // behind idle's receive, it would wait until idle's peer sends, which a peer waiting on this
+  // frame never does.
+  FERRY_REQUIRE_URING();
+  ferry::progress_executor exec;
+  uring::ring r(exec, uring::ring_options{.entries = 1});
+  connected_pair busy(r), idle(r);
+  std::vector<std::byte> busy_dst(100), idle_dst(100);
+  uring::received_block busy_got, idle_got;
+  const auto submitted = r.counters().submitted;
+  ferry::transfer busy_receive = busy.server.receive(busy_dst, busy_got);
+  REQUIRE(wait_until([&] { return r.counters().submitted > submitted; }));
+  const auto backlogged = r.counters().backlogged;
+  ferry::transfer idle_receive = idle.server.receive(idle_dst, idle_got);
+  REQUIRE(wait_until([&] { return r.counters().backlogged > backlogged; }));
+
+  const auto payload = byte_pattern(100, 4);
+  REQUIRE(busy.client.send(1, payload).wait_for(hang_bound) == transfer_state::success);
+  REQUIRE(busy_receive.wait_for(hang_bound) == transfer_state::success);
+  CHECK(busy_dst == payload);
+  CHECK(idle_receive.state() == transfer_state::pending);
+  REQUIRE(idle.client.send(2, payload).wait_for(hang_bound) == transfer_state::success);
+  REQUIRE(idle_receive.wait_for(hang_bound) == transfer_state::success);
+  CHECK(idle_got.id == 2);
+}
+
+TEST_CASE("tcp: closing a connection ends its work that waits for room in the ring",
+          "[tcp][concurrency]") {
+  // Waiting for room, it never reached the kernel: close() must end it there, not leave it to go
+  // out later on a closed socket, with buffers its owner has freed once close() and a drain said
+  // everything had ended.
+  FERRY_REQUIRE_URING();
+  ferry::progress_executor exec;
+  uring::ring r(exec, uring::ring_options{.entries = 1});
+  SECTION("a receive") {
+    connected_pair holder(r), closing(r);
+    std::vector<std::byte> dst(100);
+    uring::received_block got, held_got;
+    const auto submitted = r.counters().submitted;
+    ferry::transfer held = holder.server.receive(dst, held_got);  // the one receive slot
+    REQUIRE(wait_until([&] { return r.counters().submitted > submitted; }));
+    const auto backlogged = r.counters().backlogged;
+    ferry::transfer waiting = closing.server.receive(dst, got);
+    REQUIRE(wait_until([&] { return r.counters().backlogged > backlogged; }));
+    closing.server.close();
+    REQUIRE(waiting.wait_for(hang_bound) == transfer_state::cancelled);
+    CHECK(held.state() == transfer_state::pending);
+  }
+  SECTION("a group of sends") {
+    group_waiting_for_room g;
+    fd_guard peer(g.peer);
+    g.sender.close();
+    REQUIRE(g.b1.wait_for(hang_bound) == transfer_state::cancelled);
+    REQUIRE(g.b2.wait_for(hang_bound) == transfer_state::cancelled);
+  }
+}
+
+TEST_CASE("tcp: frames a short sendmsg sent whole succeed at once, and cancelling one then "
+          "leaves the frames behind it alone",
+          "[tcp][concurrency]") {
+  // One sendmsg moves at most MAX_RW_COUNT bytes. For the group [lead, next, big] it returns with
+  // lead and next whole and `big` part-way, and the rest goes out in a second sendmsg, which stalls
+  // here on a peer that has stopped reading. lead and next are done: they succeed then, and a cancel
+  // of either must not stop that sendmsg, which would cut `big` (nobody cancelled it) and break
+  // the connection.
+  FERRY_REQUIRE_URING();
+  ferry::progress_executor exec;
+  uring::ring r(exec);
+  socket_pair sockets;
+  fd_guard peer_end(sockets.second());
+  const std::size_t filled = fill_socket(sockets.first());
+  uring::tcp_connection sender(r, sockets.first());
+  const std::size_t max_rw = max_rw_count();
+  constexpr std::size_t header = sizeof(uring::detail::frame_header);
+  const std::size_t big_size = std::size_t{3} << 30;
+  void* zeros = ::mmap(nullptr, big_size, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                       -1, 0);
+  REQUIRE(zeros != MAP_FAILED);
+  const auto small = byte_pattern(100, 1);
+  ferry::transfer first = sender.send(0, small);  // stalls on the full socket, alone in its group
+  ferry::transfer lead = sender.send(1, small);
+  ferry::transfer next = sender.send(2, small);
+  ferry::transfer big = sender.send(3, std::span(static_cast<const std::byte*>(zeros), big_size));
+  std::atomic<int> step{0};
+  std::atomic<bool> peer_ok{true};
+  std::thread peer([&] {
+    // The filler and the first frame; when told, one sendmsg's worth; when told again, the rest.
+    if (!read_exactly(sockets.second(), filled + header + small.size())) peer_ok = false;
+    while (step.load() < 1) std::this_thread::sleep_for(1ms);
+    if (!read_exactly(sockets.second(), max_rw)) peer_ok = false;
+    while (step.load() < 2) std::this_thread::sleep_for(1ms);
+    if (!read_exactly(sockets.second(), 3 * header + 2 * small.size() + big_size - max_rw)) {
+      peer_ok = false;
+    }
+  });
+  struct peer_guard {
+    std::thread& thread;
+    std::atomic<int>& step;
+    int fd;
+    ~peer_guard() {
+      if (!thread.joinable()) return;
+      step = 2;
+      ::shutdown(fd, SHUT_RDWR);
+      thread.join();
+    }
+  } guard{peer, step, sockets.second()};
+  REQUIRE(first.wait_for(hang_bound) == transfer_state::success);
+  step = 1;
+  // The first sendmsg comes back short; lead and next are done while the rest of big stalls.
+  REQUIRE(lead.wait_for(hang_bound) == transfer_state::success);
+  REQUIRE(next.wait_for(hang_bound) == transfer_state::success);
+  CHECK(big.state() == transfer_state::pending);
+  r.cancel(next);
+  r.cancel(lead);
+  CHECK(big.wait_for(100ms) == transfer_state::pending);
+  step = 2;
+  REQUIRE(big.wait_for(std::chrono::seconds(60)) == transfer_state::success);
+  peer.join();
+  REQUIRE(peer_ok);
+  ::munmap(zeros, big_size);
+}
+
+TEST_CASE("tcp: a send waiting for its share of the ring is not starved by file I/O that keeps "
+          "coming",
+          "[tcp][concurrency]") {
+  // A ring of one entry: one send may be in flight, and it stalls on a full socket; a second send
+  // waits for room. File reads that resubmit themselves at once keep the file backlog full. When the
+  // stalled send completes, the waiting send was there first and must get the room it leaves.
+  FERRY_REQUIRE_URING();
+  ferry::progress_executor exec;
+  uring::ring r(exec, uring::ring_options{.entries = 1});
+  socket_pair stalled_pair, free_pair;
+  fd_guard stalled_peer(stalled_pair.second()), free_peer(free_pair.second());
+  const std::size_t filled = fill_socket(stalled_pair.first());
+  uring::tcp_connection stalled(r, stalled_pair.first()), waiting(r, free_pair.first());
+  fd_guard zero(::open("/dev/zero", O_RDONLY | O_CLOEXEC));
+  REQUIRE(zero.get() >= 0);
+  const auto payload = byte_pattern(100, 7);
+  const auto submitted = r.counters().submitted;
+  ferry::transfer stalled_send = stalled.send(1, payload);
+  REQUIRE(wait_until([&] { return r.counters().submitted > submitted; }));
+  const auto backlogged = r.counters().backlogged;
+  ferry::transfer waiting_send = waiting.send(2, payload);
+  REQUIRE(wait_until([&] { return r.counters().backlogged > backlogged; }));
+
+  std::atomic<bool> stop{false};
+  std::atomic<int> readers{0};
+  std::atomic<long> reads{0};
+  ferry::inline_scheduler on_executor;
+  constexpr int n = 16;
+  std::vector<std::vector<std::byte>> buffers(n, std::vector<std::byte>(64));
+  for (auto& b : buffers) {
+    readers.fetch_add(1);
+    [](uring::ring& r, int fd, std::span<std::byte> b, ferry::inline_scheduler& s,
+       std::atomic<bool>& stop, std::atomic<int>& readers, std::atomic<long>& reads)
+        -> detached_inline {
+      while (!stop.load()) {
+        const transfer_state st = co_await ferry::resume_on(s, r.read(fd, b, 0));
+        if (st != transfer_state::success) break;
+        reads.fetch_add(1);
+      }
+      readers.fetch_sub(1);
+    }(r, zero.get(), b, on_executor, stop, readers, reads);
+  }
+  REQUIRE(wait_until([&] { return reads.load() > 1000; }));
+  REQUIRE(read_exactly(stalled_pair.second(), filled));  // the stalled send goes out
+  REQUIRE(stalled_send.wait_for(hang_bound) == transfer_state::success);
+  const transfer_state waited = waiting_send.wait_for(hang_bound);
+  stop.store(true);
+  REQUIRE(wait_until([&] { return readers.load() == 0; }));
+  REQUIRE(waited == transfer_state::success);
+}
+
+TEST_CASE("tcp: a frame cut part-way by a cancel ends the peer's receive instead of leaving it "
+          "waiting",
+          "[tcp][concurrency]") {
+  FERRY_REQUIRE_URING();
+  ferry::progress_executor exec;
+  uring::ring r(exec);
+  connected_pair c(r);
+  const auto big = byte_pattern(64 << 20, 6);
+  const auto submitted = r.counters().submitted;
+  ferry::transfer cut = c.client.send(1, big);  // nobody reads yet: it stalls part-way
+  // Once the sendmsg is in, the socket buffers hold part of the frame (the kernel's first attempt
+  // runs inside the submitting call).
+  REQUIRE(wait_until([&] { return r.counters().submitted > submitted; }));
+  std::this_thread::sleep_for(10ms);
+  r.cancel(cut);
+  REQUIRE(cut.wait_for(hang_bound) == transfer_state::cancelled);
+  ferry::transfer after = c.client.send(2, std::span(big).first(10));
+  REQUIRE(after.wait_for(hang_bound) == transfer_state::failed);
+  REQUIRE(after.error() == ferry::errc::connection_broken);  // it was cut, not at a boundary
+
+  // The peer has the header and part of the payload; the rest never comes, and it is told so.
+  std::vector<std::byte> dst(big.size());
+  uring::received_block got;
+  ferry::transfer receive = c.server.receive(dst, got);
+  REQUIRE(receive.wait_for(hang_bound) == transfer_state::failed);
+  CHECK(receive.error() == ferry::errc::connection_closed);
+  CHECK(got.length == big.size());
+  // The other direction is untouched.
+  const auto reply = byte_pattern(100, 8);
+  std::vector<std::byte> reply_dst(100);
+  REQUIRE(c.server.send(3, reply).wait_for(hang_bound) == transfer_state::success);
+  REQUIRE(c.client.receive(reply_dst, got).wait_for(hang_bound) == transfer_state::success);
+  CHECK(reply_dst == reply);
+}
+
+TEST_CASE("tcp: sends stalled on full sockets leave room in the ring for file I/O",
+          "[tcp][concurrency]") {
+  // A ring of one entry holds three operations besides cancels; sends take at most their share, so
+  // however many connections have a send stuck on a peer that does not read, a read gets in.
+  FERRY_REQUIRE_URING();
+  ferry::progress_executor exec;
+  uring::ring r(exec, uring::ring_options{.entries = 1});
+  std::vector<socket_pair> sockets(r.in_flight_limit());
+  std::vector<fd_guard> peers(sockets.size());
+  std::vector<uring::tcp_connection> senders;
+  std::vector<ferry::transfer> sends;
+  const auto payload = byte_pattern(100, 2);
+  for (std::size_t i = 0; i < sockets.size(); ++i) {
+    const socket_pair& p = sockets[i];
+    peers[i].reset(p.second());
+    (void)fill_socket(p.first());
+    senders.emplace_back(r, p.first());
+    sends.push_back(senders.back().send(1, payload));
+  }
+  int pipe_fds[2];
+  REQUIRE(::pipe2(pipe_fds, O_CLOEXEC) == 0);
+  fd_guard rd(pipe_fds[0]), wr(pipe_fds[1]);
+  REQUIRE(::write(wr.get(), "k", 1) == 1);
+  std::vector<std::byte> one(1);
+  ferry::transfer read = r.read(rd.get(), one, uring::current_position);
+  REQUIRE(read.wait_for(hang_bound) == transfer_state::success);
+  CHECK(one[0] == std::byte{'k'});
+  for (const auto& t : sends) CHECK(t.state() == transfer_state::pending);
+  peers.clear();  // the peers go: every stalled send fails
+  REQUIRE(ferry::drain(sends, hang_bound).pending == 0);
 }

@@ -215,6 +215,14 @@ TEST_CASE("uring: registered buffers and registered files", "[uring][concurrency
   ferry::transfer outside = r.read(fd.get(), buffers[1].memory.subspan(1), 0, buffers[0]);
   CHECK(outside.state() == transfer_state::failed);
   CHECK(outside.error() == ferry::errc::outside_registered_buffer);
+  // So is an index no SQE can carry (it has 16 bits): cut short, it would name another buffer.
+  const uring::fixed_buffer forged{0x10001, buffers[1].memory};
+  ferry::transfer unnameable = r.read(fd.get(), buffers[1].memory.first(100), 0, forged);
+  CHECK(unnameable.state() == transfer_state::failed);
+  CHECK(unnameable.error() == ferry::errc::bad_registered_index);
+  ferry::transfer negative = r.write(fd.get(), buffers[1].memory.first(100), 0,
+                                     uring::fixed_buffer{0x80000000u, buffers[1].memory});
+  CHECK(negative.error() == ferry::errc::bad_registered_index);
 }
 
 TEST_CASE("uring: bad input fails with an error naming it", "[uring][concurrency]") {
@@ -247,6 +255,24 @@ TEST_CASE("uring: bad input fails with an error naming it", "[uring][concurrency
   SECTION("a bad ring size") {
     CHECK_THROWS_WITH(uring::ring(exec, uring::ring_options{.entries = 0}),
                       Catch::Contains("entries must be at least 1"));
+    // Too many is clamped to the kernel's limit, not wrapped round to a confusing EINVAL.
+    uring::ring huge(exec, uring::ring_options{.entries = 0x80000000u});
+    CHECK(huge.in_flight_limit() >= 4);
+  }
+  SECTION("iovec lengths whose sum overflows") {
+    const iovec iov[] = {{buf.data(), SIZE_MAX / 2 + 1}, {buf.data(), SIZE_MAX / 2 + 1}};
+    ferry::transfer t = r.readv(0, iov, 0);
+    CHECK(t.state() == transfer_state::failed);
+    CHECK(t.error() == ferry::errc::vector_too_large);
+  }
+  SECTION("writing to a pipe whose reader has gone is EPIPE, not a SIGPIPE that ends the process") {
+    int p[2];
+    REQUIRE(::pipe2(p, O_CLOEXEC) == 0);
+    ::close(p[0]);
+    fd_guard wr(p[1]);
+    ferry::transfer t = r.write(wr.get(), cview(buf), uring::current_position);
+    REQUIRE(t.wait_for(hang_bound) == transfer_state::failed);
+    CHECK(t.error() == std::error_code(EPIPE, std::system_category()));
   }
 }
 

@@ -27,6 +27,8 @@ enum class errc : int {
   outside_registered_buffer,
   empty_request,
   submission_queue_full,
+  bad_registered_index,
+  vector_too_large,
 };
 
 namespace detail {
@@ -76,6 +78,10 @@ class error_category_impl final : public std::error_category {
         return "request was sealed with no transfers, so it cannot be a completed load";
       case errc::submission_queue_full:
         return "backend's submission queue stayed full until the request's deadline";
+      case errc::bad_registered_index:
+        return "registered (fixed) buffer index is larger than io_uring can name (65535)";
+      case errc::vector_too_large:
+        return "vectored transfer has more than 2^32 - 1 iovecs, or lengths whose sum overflows";
     }
     return "unknown ferry error " + std::to_string(value);
   }

@@ -24,6 +24,7 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <time.h>
@@ -271,6 +272,16 @@ class progress_executor {
     epoll_fd_ = wake_fd_ = -1;
   }
 
+  // io_uring tries a write inline, on this thread: to a pipe or socket whose reader has gone, the
+  // kernel then sends this thread SIGPIPE, whose default action ends the process. Blocked here, it
+  // stays pending on this thread and the write fails with EPIPE, as a transfer should.
+  static void block_sigpipe() noexcept {
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGPIPE);
+    ::pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  }
+
   void pin() noexcept {
     if (options_.cpu < 0) return;
     cpu_set_t set;
@@ -282,6 +293,7 @@ class progress_executor {
   void run() {
     thread_id_.store(std::this_thread::get_id(), std::memory_order_release);
     ::pthread_setname_np(::pthread_self(), "ferry-progress");
+    block_sigpipe();
     pin();
     std::uint64_t seen_generation = ~std::uint64_t{0};
     std::uint64_t completions = 0;

@@ -1,7 +1,7 @@
 #pragma once
 // Descriptor and TCP socket set-up, shared by the io_uring TCP connections, the verbs handshake's
-// side channel and the verbs provider: resolving an address and trying each result, TCP_NODELAY,
-// non-blocking mode.
+// side channel and the verbs provider: resolving an address and trying each result, a blocking
+// connect that survives signals, TCP_NODELAY, non-blocking mode.
 
 #include <cerrno>
 #include <cstdint>
@@ -13,6 +13,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -26,6 +27,23 @@ namespace ferry::detail {
 inline void set_nodelay(int fd) noexcept {
   const int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
+// A blocking connect(). One that a signal interrupts goes on in the background (POSIX), so it is
+// waited for rather than reported as a failure; true once connected, else false with errno set.
+[[nodiscard]] inline bool connect_blocking(int fd, const sockaddr* addr, socklen_t len) noexcept {
+  if (::connect(fd, addr, len) == 0) return true;
+  if (errno != EINTR) return false;
+  pollfd p{fd, POLLOUT, 0};
+  int r = 0;
+  while ((r = ::poll(&p, 1, -1)) < 0 && errno == EINTR) {
+  }
+  if (r < 0) return false;
+  int err = 0;
+  socklen_t err_len = sizeof err;
+  if (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &err_len) != 0) return false;
+  errno = err;
+  return err == 0;
 }
 
 // Resolves host:port (numeric or by name; `flags` are getaddrinfo's) and calls `use(fd, addrinfo)`

@@ -18,10 +18,13 @@
 // never a success. Errno results are std::system_category codes.
 //
 // Bounds. At most as many operations are in flight as the completion queue has entries (cancel
-// requests included), so the CQ never overflows; beyond that, submissions wait in a FIFO backlog.
-// Part of the queue is kept for cancel requests, so a cancel always reaches the kernel, and socket
-// receives (which wait on a peer for as long as it takes) may use at most half of the rest, so
-// sends and file I/O always find room.
+// requests included), so the CQ never overflows; beyond that, submissions wait in backlogs, one per
+// kind, served in order of arrival as each kind's share allows. Part of the queue is kept for
+// cancel requests, so a cancel always reaches the kernel. Socket operations wait on a peer for as
+// long as it takes, so receives may use at most half of the rest and sends a quarter: file I/O
+// always finds room, and so do sends beside idle receives. An
+// operation that goes on from where it stopped (the rest of a short transfer, a retry after EINTR)
+// keeps its place: it is issued again at once, or first in line, never behind later work.
 //
 // Cancellation. cancel(t) asks the kernel with IORING_OP_ASYNC_CANCEL; the transfer turns cancelled
 // only when its own completion (-ECANCELED) arrives, so a buffer is never released while the kernel
@@ -64,7 +67,12 @@ inline constexpr std::uint64_t current_position = ~std::uint64_t{0};
 // ferry's threading (the executor submits, any thread may destroy) rules out SQPOLL, SINGLE_ISSUER
 // and the deferred task-work modes, so only sizes are configurable.
 struct ring_options {
-  unsigned entries = 256;  // submission queue entries; the completion queue gets twice as many
+  // Submission queue entries (at most 32768). The completion queue gets twice as many and bounds
+  // what is in flight at once: with the default, 448 operations besides cancels, of which at most
+  // 224 socket receives and 112 sends (a connection has one of each in flight at a time). A server
+  // that keeps a receive posted on more connections than that raises it: receives beyond the bound
+  // wait until one of those completes.
+  unsigned entries = 256;
   // The most SQEs one io_uring_enter carries; 0 for no limit (one call per executor round). Up to
   // two, the kernel does not plug the block layer, so each request reaches the device at once.
   unsigned submit_batch = 2;
@@ -189,6 +197,7 @@ struct op_body {
   std::uint32_t iov_at = 0;        // first iovec not yet fully transferred
   std::size_t iov_skip = 0;        // bytes of iov[iov_at] already transferred
   std::size_t slot = 0;            // position in ring::in_flight_
+  std::uint64_t ticket = 0;        // arrival in a backlog (0: going on from where it stopped)
   status_block* status = nullptr;  // the completer reference (for a cancel: a transfer reference)
   std::byte* buffer = nullptr;
   std::size_t length = 0;  // bytes wanted (for a receive: of the current phase)
@@ -201,8 +210,6 @@ struct op_body {
   op* next = nullptr;    // submission stack, backlog and connection queues
   frame_header header;
   iovec parts[2]{};  // a send: header and payload; a receive: parts[1] is the destination
-  iovec live[2]{};   // a send: what is left of parts, handed to the kernel
-  msghdr message{};
 };
 
 struct op : op_body {
@@ -247,11 +254,12 @@ struct op_queue {
     }
     return o;
   }
-  // Unlinks the operation completing `s`, if queued here.
-  op* remove(const status_block* s) noexcept {
+  // Unlinks the first operation `match` accepts, if any is queued here.
+  template <class Match>
+  op* remove_if(Match match) noexcept {
     op* prev = nullptr;
     for (op* o = head; o != nullptr; prev = o, o = o->next) {
-      if (o->status != s) continue;
+      if (!match(o)) continue;
       (prev == nullptr ? head : prev->next) = o->next;
       if (tail == o) tail = prev;
       o->next = nullptr;
@@ -259,6 +267,11 @@ struct op_queue {
     }
     return nullptr;
   }
+  // Unlinks the operation completing `s`, if queued here.
+  op* remove(const status_block* s) noexcept {
+    return remove_if([s](const op* o) { return o->status == s; });
+  }
+
 };
 
 [[nodiscard]] inline std::error_code system_error_code(int err) noexcept {
@@ -273,16 +286,18 @@ class ring {
     if (options.entries == 0) {
       throw std::invalid_argument("ferry::uring::ring_options::entries must be at least 1");
     }
+    // The kernel's own limit (IORING_MAX_ENTRIES), so that twice it still fits in 32 bits.
+    const unsigned entries = std::min(options.entries, 32768u);
     io_uring_params params{};
     params.flags = IORING_SETUP_CLAMP | IORING_SETUP_CQSIZE | IORING_SETUP_SUBMIT_ALL;
-    params.cq_entries = std::max(4u, 2 * options.entries);  // room for cancels, receives, the rest
-    int r = ::io_uring_queue_init_params(options.entries, &ring_, &params);
+    params.cq_entries = std::max(4u, 2 * entries);  // room for cancels, socket work, the rest
+    int r = ::io_uring_queue_init_params(entries, &ring_, &params);
     if (r == -EINVAL) {
       // A kernel before 5.18 has no SUBMIT_ALL; ferry does not depend on it.
       params = io_uring_params{};
       params.flags = IORING_SETUP_CLAMP | IORING_SETUP_CQSIZE;
-      params.cq_entries = std::max(4u, 2 * options.entries);  // room for cancels, receives, the rest
-      r = ::io_uring_queue_init_params(options.entries, &ring_, &params);
+      params.cq_entries = std::max(4u, 2 * entries);
+      r = ::io_uring_queue_init_params(entries, &ring_, &params);
     }
     if (r < 0) {
       throw std::system_error(-r, std::system_category(),
@@ -293,6 +308,7 @@ class ring {
     submit_batch_ = options.submit_batch;
     cancel_room_ = std::max(1u, limit_ / 8);
     receive_room_ = std::max(1u, (limit_ - cancel_room_) / 2);
+    send_room_ = std::max(1u, (limit_ - cancel_room_) / 4);
     try {
       in_flight_.reserve(limit_);
       exec_.add_source(*this);
@@ -376,8 +392,8 @@ class ring {
   // The same through a registered buffer: dst must lie inside `registered.memory`.
   [[nodiscard]] transfer read(file_ref file, std::span<std::byte> dst, std::uint64_t offset,
                               const fixed_buffer& registered) {
-    if (!inside(dst.data(), dst.size(), registered)) {
-      return make_completed_transfer(transfer_state::failed, errc::outside_registered_buffer);
+    if (const errc e = check_registered(dst.data(), dst.size(), registered); e != errc{}) {
+      return make_completed_transfer(transfer_state::failed, e);
     }
     return submit_io(detail::op_kind::read, file, dst.data(), dst.size(), offset,
                      static_cast<int>(registered.index));
@@ -390,8 +406,8 @@ class ring {
 
   [[nodiscard]] transfer write(file_ref file, std::span<const std::byte> src, std::uint64_t offset,
                                const fixed_buffer& registered) {
-    if (!inside(src.data(), src.size(), registered)) {
-      return make_completed_transfer(transfer_state::failed, errc::outside_registered_buffer);
+    if (const errc e = check_registered(src.data(), src.size(), registered); e != errc{}) {
+      return make_completed_transfer(transfer_state::failed, e);
     }
     return submit_io(detail::op_kind::write, file, const_cast<std::byte*>(src.data()), src.size(),
                      offset, static_cast<int>(registered.index));
@@ -427,9 +443,11 @@ class ring {
   // turns cancelled when its own completion arrives (or at once if it never reached the kernel);
   // if it finished first, `t` keeps that result. A transfer from elsewhere is left alone.
   // Sends to one connection go out coalesced, several frames to one sendmsg: cancelling any of
-  // them stops that sendmsg. Frames it sent whole succeed, a frame it cut part-way ends cancelled
-  // (and the connection's later sends fail, the stream being out of step), and untouched frames
-  // that were not cancelled are sent again.
+  // them stops that sendmsg. Frames it sent whole succeed, a frame it cut part-way ends cancelled,
+  // and untouched frames that were not cancelled are sent again. (A sendmsg that comes back short
+  // completes the frames it sent whole at once, so a cancel of one of those is a no-op.) A cut frame puts the stream out of
+  // step: the connection's later sends fail, and its write side is shut down so that the peer's
+  // receive fails rather than wait for the rest of the frame.
   void cancel(const transfer& t) {
     if (t.status() == nullptr || t.done()) return;
     detail::op* c = detail::op::make(detail::op_kind::cancel);
@@ -510,11 +528,17 @@ class ring {
 
   static constexpr std::size_t max_chunk = std::size_t{1} << 30;  // an SQE's length is 32 bits
 
-  static bool inside(const std::byte* p, std::size_t n, const fixed_buffer& registered) noexcept {
+  // An SQE names a registered buffer in 16 bits (the kernel registers at most 16384).
+  static constexpr unsigned max_buffer_index = 0xffff;
+
+  static errc check_registered(const std::byte* p, std::size_t n,
+                               const fixed_buffer& registered) noexcept {
+    if (registered.index > max_buffer_index) return errc::bad_registered_index;
     const auto begin = reinterpret_cast<std::uintptr_t>(registered.memory.data());
     const auto end = begin + registered.memory.size();
     const auto at = reinterpret_cast<std::uintptr_t>(p);
-    return at >= begin && at <= end && n <= end - at;
+    const bool inside = at >= begin && at <= end && n <= end - at;
+    return inside ? errc{} : errc::outside_registered_buffer;
   }
 
   // Pairs an op with a new status; the op keeps the completer reference.
@@ -547,8 +571,16 @@ class ring {
 
   transfer submit_vectored(op_kind kind, file_ref file, std::span<const iovec> iov,
                            std::uint64_t offset) {
+    if (iov.size() > UINT32_MAX) {
+      return make_completed_transfer(transfer_state::failed, errc::vector_too_large);
+    }
     std::size_t total = 0;
-    for (const iovec& v : iov) total += v.iov_len;
+    for (const iovec& v : iov) {
+      if (v.iov_len > SIZE_MAX - total) {
+        return make_completed_transfer(transfer_state::failed, errc::vector_too_large);
+      }
+      total += v.iov_len;
+    }
     if (total == 0) return make_completed_transfer(transfer_state::failed, errc::empty_buffer);
     op* o = op::make(kind);
     o->fd = file.descriptor();
@@ -641,7 +673,20 @@ class ring {
     }
     detail::op_queue& q = backlog_for(o);
     if (!q.empty() || !issue(o)) {
+      o->ticket = ++tickets_;
       q.push(o);
+      backlogged_.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+
+  // Goes on with an operation that was in flight a moment ago: the rest of a short transfer, or a
+  // retry after EINTR. It keeps its place in the ring: issued at once (its own entry has just come
+  // back), or else first in line. Behind later work it could wait forever: a receive whose frame
+  // has arrived, queued behind receives on connections whose peers are silent.
+  void resume(op* o) noexcept {
+    if (!issue(o)) {
+      o->ticket = 0;
+      backlog_for(o).push_front(o);
       backlogged_.fetch_add(1, std::memory_order_relaxed);
     }
   }
@@ -649,27 +694,37 @@ class ring {
   detail::op_queue& backlog_for(const op* o) noexcept {
     if (o->kind == op_kind::cancel) return cancel_backlog_;
     if (o->kind == op_kind::receive) return receive_backlog_;
-    return backlog_;
+    if (o->kind == op_kind::send) return send_backlog_;
+    return file_backlog_;
   }
 
+  // Cancels first (they have room of their own), then the other kinds in the order they arrived,
+  // each as its share allows: no kind waits behind another (sends behind file I/O that keeps
+  // coming, say, for ever). Popped before it is issued: issuing a stale cancel releases it.
   void pump() noexcept {
-    pump(cancel_backlog_);
-    pump(backlog_);
-    pump(receive_backlog_);
-  }
-
-  // Popped before it is issued: issuing a stale cancel releases it.
-  void pump(detail::op_queue& q) noexcept {
-    while (op* o = q.pop()) {
+    while (op* o = cancel_backlog_.pop()) {
       if (!issue(o)) {
-        q.push_front(o);
+        cancel_backlog_.push_front(o);
+        break;
+      }
+    }
+    for (;;) {
+      detail::op_queue* next = nullptr;
+      for (detail::op_queue* q : {&file_backlog_, &send_backlog_, &receive_backlog_}) {
+        if (q->empty() || !has_room(q->head->kind)) continue;
+        if (next == nullptr || q->head->ticket < next->head->ticket) next = q;
+      }
+      if (next == nullptr) return;
+      op* o = next->pop();
+      if (!issue(o)) {
+        next->push_front(o);
         return;
       }
     }
   }
 
   void fail_backlogs() noexcept {
-    for (detail::op_queue* q : {&cancel_backlog_, &backlog_, &receive_backlog_}) {
+    for (detail::op_queue* q : {&cancel_backlog_, &file_backlog_, &send_backlog_, &receive_backlog_}) {
       while (op* o = q->pop()) finish_unstarted(o);
     }
   }
@@ -715,23 +770,28 @@ class ring {
       ++cancels_in_flight_;
     } else {
       if (o->kind == op_kind::receive) ++receives_in_flight_;
+      if (o->kind == op_kind::send) ++sends_in_flight_;
       o->slot = in_flight_.size();
       in_flight_.push_back(o);
     }
     return true;
   }
 
-  // The CQ bound: cancels have room of their own; socket receives, which may wait on a peer
-  // indefinitely, never take more than their share, so sends and file I/O always get in.
+  // The CQ bound: cancels have room of their own; socket receives and sends, which may wait on a
+  // peer indefinitely, never take more than their shares, so file I/O always gets in, and sends get
+  // in beside receives.
   bool has_room(op_kind kind) const noexcept {
     if (in_flight_.size() + cancels_in_flight_ >= limit_) return false;
     if (kind == op_kind::cancel) return cancels_in_flight_ < cancel_room_;
     if (in_flight_.size() >= limit_ - cancel_room_) return false;
-    return kind != op_kind::receive || receives_in_flight_ < receive_room_;
+    if (kind == op_kind::receive) return receives_in_flight_ < receive_room_;
+    if (kind == op_kind::send) return sends_in_flight_ < send_room_;
+    return true;
   }
 
   void retire(op* o) noexcept {
     if (o->kind == op_kind::receive) --receives_in_flight_;
+    if (o->kind == op_kind::send) --sends_in_flight_;
     op* last = in_flight_.back();
     in_flight_[o->slot] = last;
     last->slot = o->slot;
@@ -886,7 +946,7 @@ class ring {
   void on_file_io(op* o, int res) noexcept {
     if (res < 0) {
       if (was_cancelled(o, res)) return finish(o, transfer_state::cancelled, {});
-      if (res == -EINTR && !shutting_down_) return start(o);
+      if (res == -EINTR && !shutting_down_) return resume(o);
       return finish(o, transfer_state::failed, detail::system_error_code(-res));
     }
     if (res == 0) {
@@ -903,7 +963,7 @@ class ring {
     if (o->cancel_requested) return finish(o, transfer_state::cancelled, {});
     if (shutting_down_) return finish(o, transfer_state::failed, make_error_code(errc::backend_shut_down));
     resubmitted_.fetch_add(1, std::memory_order_relaxed);
-    start(o);
+    resume(o);
   }
 
   static void advance(op* o, std::size_t n) noexcept {
@@ -959,11 +1019,11 @@ class ring {
       if (c->group_done == c->group_length) return end_send_group(c, false, {});
       if (!lead->cancel_requested && !shutting_down_) {
         resubmitted_.fetch_add(1, std::memory_order_relaxed);
-        start(lead);
+        resume(finish_sent_frames(c));
         return;
       }
     } else if (res == -EINTR && !lead->cancel_requested && !shutting_down_) {
-      start(lead);
+      resume(lead);
       return;
     }
     std::error_code ec;
@@ -978,6 +1038,26 @@ class ring {
       ec = make_error_code(errc::backend_shut_down);
     }
     end_send_group(c, cancelled, ec);
+  }
+
+  // A sendmsg came back short: the frames the kernel has wholly taken succeed now, not when the
+  // rest of the group has gone (a peer that stops reading would hold them, and a cancel of one
+  // could only stop the sendmsg, cutting the next frame). The first frame left leads what is left.
+  // So a group's lead is never wholly sent, and the frames behind it are untouched.
+  op* finish_sent_frames(detail::connection_state* c) noexcept {
+    unsigned sent = 0;
+    std::size_t sent_bytes = 0;
+    while (sent_bytes + c->send_group[sent]->length <= c->group_done) {
+      sent_bytes += c->send_group[sent]->length;
+      ++sent;
+    }
+    // The frames left hold references to `c`, so finishing these cannot free it.
+    for (unsigned i = 0; i < sent; ++i) finish(c->send_group[i], transfer_state::success, {});
+    for (unsigned i = sent; i < c->send_group_size; ++i) c->send_group[i - sent] = c->send_group[i];
+    c->send_group_size -= sent;
+    c->group_done -= sent_bytes;
+    c->group_length -= sent_bytes;
+    return c->send_group[0];
   }
 
   // Ends the group in flight. Frames that went out whole succeed. If it was cut short: the frame cut
@@ -1017,7 +1097,10 @@ class ring {
     c->send_group_size = 0;
     c->sending = false;
     if (!in_step) {
+      // The peer has part of a frame and would wait for the rest of it for ever: end the stream,
+      // so that its receive fails (connection_closed) and it knows. Receives here go on.
       c->send_error = broken;
+      ::shutdown(c->fd, SHUT_WR);
     } else if (!cancelled && !c->send_error) {
       c->send_error = ec;
     }
@@ -1064,7 +1147,7 @@ class ring {
       to = transfer_state::cancelled;
       if (started) c->receive_error = make_error_code(errc::connection_broken);
     } else if (res == -EINTR && !shutting_down_) {
-      start(o);
+      resume(o);
       return;
     } else if (res < 0) {
       to = transfer_state::failed;
@@ -1085,7 +1168,7 @@ class ring {
           to = o->cancel_requested ? transfer_state::cancelled : transfer_state::failed;
           if (!o->cancel_requested) ec = make_error_code(errc::backend_shut_down);
         } else {
-          start(o);
+          resume(o);
           return;
         }
       } else if (to == transfer_state::failed) {
@@ -1115,7 +1198,7 @@ class ring {
   // success for an empty block, failed (with `ec`) for a header that cannot be accepted.
   static transfer_state begin_payload(op* o, std::error_code& ec) noexcept {
     const detail::frame_header& h = o->header;
-    if (h.magic != detail::frame_header::magic_value) {
+    if (h.magic != detail::frame_header::magic_value || h.reserved != 0) {
       ec = make_error_code(errc::bad_frame);
       return transfer_state::failed;
     }
@@ -1156,7 +1239,8 @@ class ring {
       start(c);
       return;
     }
-    op* o = backlog_.remove(s);
+    op* o = file_backlog_.remove(s);
+    if (o == nullptr) o = send_backlog_.remove(s);
     if (o == nullptr) o = receive_backlog_.remove(s);
     if (o != nullptr) {
       release_cancel(c);
@@ -1186,15 +1270,16 @@ class ring {
       }
     };
     for (const op* o : in_flight_) look(o);
-    for (const op* o = backlog_.head; o != nullptr; o = o->next) look(o);
+    for (const op* o = send_backlog_.head; o != nullptr; o = o->next) look(o);
     if (group != nullptr) return cancel_group_frame(group, index, c);
     release_cancel(c);
   }
 
-  // Frame i (not the lead) of the group `conn` is sending: its bytes belong to the group's one
-  // sendmsg, so the group stops. Frames that went out whole succeed, untouched frames other than
-  // those cancelled are sent again (end_send_group). A group waiting in the backlog has nothing
-  // with the kernel: an untouched frame simply leaves it.
+  // Frame i (not the lead) of the group `conn` is sending. No byte of it has gone out (the frames
+  // before it have not all gone: finish_sent_frames). With the group waiting for room, it simply
+  // leaves the group. With the group in the kernel, its bytes belong to the one sendmsg, which
+  // stops: frames that went out whole succeed, untouched frames other than those cancelled are
+  // sent again (end_send_group).
   void cancel_group_frame(detail::connection_state* conn, unsigned i, op* cancel) noexcept {
     op* frame = conn->send_group[i];
     op* lead = conn->send_group[0];
@@ -1202,27 +1287,12 @@ class ring {
     const bool lead_in_kernel = lead->slot < in_flight_.size() && in_flight_[lead->slot] == lead;
     if (!lead_in_kernel) {
       release_cancel(cancel);
-      std::size_t begin = 0;
-      for (unsigned k = 0; k < i; ++k) begin += conn->send_group[k]->length;
-      if (begin + frame->length <= conn->group_done) return;  // it went out whole: too late
-      if (begin >= conn->group_done) {
-        for (unsigned k = i; k + 1 < conn->send_group_size; ++k) {
-          conn->send_group[k] = conn->send_group[k + 1];
-        }
-        --conn->send_group_size;
-        conn->group_length -= frame->length;
-        finish(frame, transfer_state::cancelled, {});
-        // What is left of the group may all have gone out already (a short send stopped at
-        // this frame): then it is done, not a sendmsg of nothing.
-        if (conn->group_done == conn->group_length) {
-          backlog_.remove(lead->status);
-          end_send_group(conn, false, {});
-        }
-        return;
+      for (unsigned k = i; k + 1 < conn->send_group_size; ++k) {
+        conn->send_group[k] = conn->send_group[k + 1];
       }
-      // Part of it went out in an earlier call: the group ends here, as the kernel's would.
-      backlog_.remove(lead->status);
-      return end_send_group(conn, true, {});
+      --conn->send_group_size;
+      conn->group_length -= frame->length;
+      return finish(frame, transfer_state::cancelled, {});
     }
     if (lead->cancel_requested) return release_cancel(cancel);  // the group is stopping already
     lead->cancel_requested = true;
@@ -1284,6 +1354,22 @@ class ring {
     c->release(unlink_connection(c) ? 2 : 1);
   }
 
+  // The connection's send group or receive may be waiting for room in the ring (not started yet, or
+  // between two parts). With the socket shut down it never starts again: it ends here, as queued
+  // work does (frames already sent whole succeed), rather than going to the kernel later, on a
+  // closed connection, with buffers its owner may already have freed.
+  void end_waiting_for_room(detail::connection_state* c) noexcept {
+    if (c->sending && send_backlog_.remove(c->send_group[0]->status) != nullptr) {
+      for (unsigned i = 0; i < c->send_group_size; ++i) c->send_group[i]->frame_cancel = true;
+      end_send_group(c, true, {});
+    }
+    if (!c->receiving) return;
+    if (op* o = receive_backlog_.remove_if([c](const op* q) { return q->connection == c; })) {
+      c->receiving = false;
+      finish(o, transfer_state::cancelled, {});
+    }
+  }
+
   void unlist(detail::connection_state* c) noexcept {
     if (unlink_connection(c)) c->release();
   }
@@ -1292,6 +1378,7 @@ class ring {
   // the list's reference).
   bool unlink_connection(detail::connection_state* c) noexcept {
     if (!c->listed) return false;
+    end_waiting_for_room(c);
     while (op* o = pop_front(c->send_head, c->send_tail)) finish(o, transfer_state::cancelled, {});
     while (op* o = pop_front(c->receive_head, c->receive_tail)) {
       finish(o, transfer_state::cancelled, {});
@@ -1343,12 +1430,17 @@ class ring {
   alignas(64) std::vector<op*> in_flight_;
   unsigned cancels_in_flight_ = 0;
   unsigned receives_in_flight_ = 0;
+  unsigned sends_in_flight_ = 0;
   unsigned cancel_room_ = 1;   // CQ entries only cancels may use
   unsigned receive_room_ = 1;  // the most socket receives in flight at once
-  detail::op_queue backlog_;          // file I/O and sends
-  detail::op_queue receive_backlog_;  // socket receives
+  unsigned send_room_ = 1;     // the most socket sends in flight at once
+  // Waiting for room, one queue per kind, so that no kind waits behind another's share.
+  detail::op_queue file_backlog_;
+  detail::op_queue send_backlog_;
+  detail::op_queue receive_backlog_;
   detail::op_queue cancel_backlog_;
   bool shutting_down_ = false;
+  std::uint64_t tickets_ = 0;  // handed out in backlog arrival order
 
   detail::connection_state* connections_head_ = nullptr;
 

@@ -8,7 +8,13 @@
 // one at a time in the order they were called, and so do receives; a short send or receive is
 // continued. A peer that closes or resets the connection fails the transfer in flight with
 // errc::connection_closed or the system's ECONNRESET, and every later one on that side with the same
-// error; nothing waits forever on a connection that is gone.
+// error; nothing waits forever on a connection that is gone. A send cut part-way (by a cancel) shuts
+// the connection's write side, so the peer's receive of that frame fails too instead of waiting;
+// a receive that fails part-way (a frame too large, bytes that are not a frame) fails the
+// connection's later receives, and the connection is best closed.
+//
+// How many receives and sends a ring has in flight at once is bounded (ring_options::entries):
+// beyond that, they wait for one in flight to complete.
 //
 // Setting up (listen, accept, connect) is blocking and happens once per peer; only the block
 // traffic goes through the ring.
@@ -39,6 +45,7 @@ namespace detail {
   throw std::system_error(err, std::system_category(), what);
 }
 
+using ferry::detail::connect_blocking;
 using ferry::detail::for_each_address;
 using ferry::detail::set_nodelay;
 
@@ -73,7 +80,7 @@ class tcp_connection {
     const int fd =
         detail::for_each_address(host, port, 0, std::make_error_code(std::errc::invalid_argument),
                                  "ferry::uring", [](int s, const addrinfo& a) {
-                                   return ::connect(s, a.ai_addr, a.ai_addrlen) == 0;
+                                   return detail::connect_blocking(s, a.ai_addr, a.ai_addrlen);
                                  });
     if (fd < 0) {
       detail::throw_errno(errno, "ferry::uring::tcp_connection::connect to " + host + ":" +
@@ -91,8 +98,8 @@ class tcp_connection {
   tcp_connection(const tcp_connection&) = delete;
   tcp_connection& operator=(const tcp_connection&) = delete;
 
-  // Shuts the socket down: a send or receive in flight fails, queued ones end cancelled, and the
-  // descriptor closes once the last of them has completed.
+  // Shuts the socket down: a send or receive in flight fails, queued ones (and one waiting for room
+  // in the ring) end cancelled, and the descriptor closes once the last of them has completed.
   ~tcp_connection() { close(); }
 
   void close() noexcept {
@@ -207,12 +214,12 @@ class tcp_listener {
     return ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
   }
 
-  // Blocks until a peer connects.
+  // Blocks until a peer connects. A peer that gave up before it was accepted is skipped.
   [[nodiscard]] tcp_connection accept(ring& r) {
     int fd = -1;
     do {
       fd = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    } while (fd < 0 && errno == EINTR);
+    } while (fd < 0 && (errno == EINTR || errno == ECONNABORTED || errno == EPROTO));
     if (fd < 0) detail::throw_errno(errno, "ferry::uring::tcp_listener::accept");
     return tcp_connection::adopt_socket(r, fd);
   }
