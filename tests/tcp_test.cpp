@@ -747,6 +747,57 @@ TEST_CASE("tcp: a frame cut part-way by a cancel ends the peer's receive instead
   CHECK(reply_dst == reply);
 }
 
+TEST_CASE("tcp: room that comes back goes to the oldest waiter, not to the work started next",
+          "[tcp][concurrency]") {
+  // A ring of one entry, its room outside the cancel share all held by reads on pipes; a send waits
+  // for room. Each read, once its byte arrives, completes and its coroutine reads again at once, on
+  // the executor, in the same round that freed the room. The send was waiting first: it must get
+  // that room, however many reads come after it.
+  FERRY_REQUIRE_URING();
+  ferry::progress_executor exec;
+  uring::ring r(exec, uring::ring_options{.entries = 1});
+  const unsigned n = r.in_flight_limit() - 1;  // the room besides the cancel share
+  std::vector<fd_guard> read_ends(n), write_ends(n);
+  for (unsigned i = 0; i < n; ++i) {
+    int p[2];
+    REQUIRE(::pipe2(p, O_CLOEXEC) == 0);
+    read_ends[i].reset(p[0]);
+    write_ends[i].reset(p[1]);
+  }
+  std::atomic<int> readers{static_cast<int>(n)};
+  std::atomic<long> reads{0};
+  ferry::inline_scheduler on_executor;
+  std::vector<std::vector<std::byte>> buffers(n, std::vector<std::byte>(1));
+  const auto submitted = r.counters().submitted;
+  for (unsigned i = 0; i < n; ++i) {
+    [](uring::ring& r, int fd, std::span<std::byte> b, ferry::inline_scheduler& s,
+       std::atomic<int>& readers, std::atomic<long>& reads) -> detached_inline {
+      for (;;) {
+        const transfer_state st = co_await ferry::resume_on(s, r.read(fd, b, uring::current_position));
+        if (st != transfer_state::success) break;
+        reads.fetch_add(1);
+      }
+      readers.fetch_sub(1);
+    }(r, read_ends[i].get(), buffers[i], on_executor, readers, reads);
+  }
+  REQUIRE(wait_until([&] { return r.counters().submitted >= submitted + n; }));
+  socket_pair sockets;
+  fd_guard peer(sockets.second());
+  uring::tcp_connection conn(r, sockets.first());
+  const auto backlogged = r.counters().backlogged;
+  ferry::transfer send = conn.send(1, byte_pattern(100, 3));  // the peer has room: done once issued
+  REQUIRE(wait_until([&] { return r.counters().backlogged > backlogged; }));
+  for (int k = 0; k < 100 && send.state() == transfer_state::pending; ++k) {
+    const long before = reads.load();
+    REQUIRE(::write(write_ends[k % n].get(), "x", 1) == 1);
+    REQUIRE(wait_until([&] { return reads.load() > before; }));
+  }
+  const transfer_state sent = send.wait_for(hang_bound);
+  for (fd_guard& w : write_ends) w.reset(-1);  // the reads end (end of file), and their readers
+  REQUIRE(wait_until([&] { return readers.load() == 0; }));
+  CHECK(sent == transfer_state::success);
+}
+
 TEST_CASE("tcp: sends stalled on full sockets leave room in the ring for file I/O",
           "[tcp][concurrency]") {
   // A ring of one entry holds three operations besides cancels; sends take at most their share, so

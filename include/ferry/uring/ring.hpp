@@ -21,8 +21,8 @@
 // requests included), so the CQ never overflows; beyond that, submissions wait in backlogs, one per
 // kind, served in order of arrival as each kind's share allows. Part of the queue is kept for
 // cancel requests, so a cancel always reaches the kernel. Socket operations wait on a peer for as
-// long as it takes, so receives may use at most half of the rest and sends a quarter: file I/O
-// always finds room, and so do sends beside idle receives. An
+// long as it takes, so receives and sends may each use at most half of the rest, and three
+// quarters together: file I/O always finds room, and so do sends beside idle receives. An
 // operation that goes on from where it stopped (the rest of a short transfer, a retry after EINTR)
 // keeps its place: it is issued again at once, or first in line, never behind later work.
 //
@@ -69,9 +69,11 @@ inline constexpr std::uint64_t current_position = ~std::uint64_t{0};
 struct ring_options {
   // Submission queue entries (at most 32768). The completion queue gets twice as many and bounds
   // what is in flight at once: with the default, 448 operations besides cancels, of which at most
-  // 224 socket receives and 112 sends (a connection has one of each in flight at a time). A server
-  // that keeps a receive posted on more connections than that raises it: receives beyond the bound
-  // wait until one of those completes.
+  // 224 socket receives, 224 sends and 336 of both together (a connection has one of each in
+  // flight at a time). A receive waiting on a silent peer, or a send on one that does not read,
+  // holds its place until the peer acts; beyond the bound, receives (or sends) on every other
+  // connection wait for one of those to complete. A server with more connections than that raises
+  // `entries`.
   unsigned entries = 256;
   // The most SQEs one io_uring_enter carries; 0 for no limit (one call per executor round). Up to
   // two, the kernel does not plug the block layer, so each request reaches the device at once.
@@ -307,8 +309,10 @@ class ring {
     limit_ = params.cq_entries;
     submit_batch_ = options.submit_batch;
     cancel_room_ = std::max(1u, limit_ / 8);
-    receive_room_ = std::max(1u, (limit_ - cancel_room_) / 2);
-    send_room_ = std::max(1u, (limit_ - cancel_room_) / 4);
+    const unsigned rest = limit_ - cancel_room_;
+    receive_room_ = std::max(1u, rest / 2);
+    send_room_ = std::max(1u, rest / 2);
+    socket_room_ = std::max(2u, rest * 3 / 4);
     try {
       in_flight_.reserve(limit_);
       exec_.add_source(*this);
@@ -672,11 +676,22 @@ class ring {
       return;
     }
     detail::op_queue& q = backlog_for(o);
-    if (!q.empty() || !issue(o)) {
-      o->ticket = ++tickets_;
-      q.push(o);
-      backlogged_.fetch_add(1, std::memory_order_relaxed);
+    if (o->kind == op_kind::cancel) {  // cancels have room of their own, and a queue of their own
+      if (!q.empty() || !issue(o)) {
+        q.push(o);
+        backlogged_.fetch_add(1, std::memory_order_relaxed);
+      }
+      return;
     }
+    // With anything waiting, room that has just come back (a completion in this round) belongs to
+    // the oldest waiter that fits it, not to whatever is started next: `o` takes its turn.
+    if (file_backlog_.empty() && send_backlog_.empty() && receive_backlog_.empty() && issue(o)) {
+      return;
+    }
+    o->ticket = ++tickets_;
+    q.push(o);
+    pump();
+    if (q.tail == o) backlogged_.fetch_add(1, std::memory_order_relaxed);  // still waiting
   }
 
   // Goes on with an operation that was in flight a moment ago: the rest of a short transfer, or a
@@ -778,14 +793,15 @@ class ring {
   }
 
   // The CQ bound: cancels have room of their own; socket receives and sends, which may wait on a
-  // peer indefinitely, never take more than their shares, so file I/O always gets in, and sends get
-  // in beside receives.
+  // peer indefinitely, never take more than half of the rest each and three quarters together, so
+  // file I/O always gets in, and sends get in beside receives (and receives beside sends).
   bool has_room(op_kind kind) const noexcept {
     if (in_flight_.size() + cancels_in_flight_ >= limit_) return false;
     if (kind == op_kind::cancel) return cancels_in_flight_ < cancel_room_;
     if (in_flight_.size() >= limit_ - cancel_room_) return false;
-    if (kind == op_kind::receive) return receives_in_flight_ < receive_room_;
-    if (kind == op_kind::send) return sends_in_flight_ < send_room_;
+    const bool socket_room = receives_in_flight_ + sends_in_flight_ < socket_room_;
+    if (kind == op_kind::receive) return socket_room && receives_in_flight_ < receive_room_;
+    if (kind == op_kind::send) return socket_room && sends_in_flight_ < send_room_;
     return true;
   }
 
@@ -1434,6 +1450,7 @@ class ring {
   unsigned cancel_room_ = 1;   // CQ entries only cancels may use
   unsigned receive_room_ = 1;  // the most socket receives in flight at once
   unsigned send_room_ = 1;     // the most socket sends in flight at once
+  unsigned socket_room_ = 2;   // the most socket receives and sends in flight together
   // Waiting for room, one queue per kind, so that no kind waits behind another's share.
   detail::op_queue file_backlog_;
   detail::op_queue send_backlog_;
