@@ -211,6 +211,42 @@ TEST_CASE("uring: registered buffers and registered files", "[uring][concurrency
   REQUIRE(r.read(fd.get(), buffers[1].memory.first(100), 8192, buffers[1]).wait_for(hang_bound) ==
           transfer_state::success);
 
+  // Batches through a registered buffer: each block inside it goes as READ/WRITE_FIXED; one that
+  // is not fails alone.
+  {
+    const auto blocks_data = byte_pattern(4 * 4096, 12);
+    std::memcpy(buffers[0].memory.data(), blocks_data.data(), blocks_data.size());
+    std::vector<uring::write_block> writes;
+    for (std::size_t i = 0; i < 4; ++i) {
+      writes.push_back({buffers[0].memory.subspan(i * 4096, 4096), 65536 + i * 4096});
+    }
+    std::vector<ferry::transfer> written(4);
+    r.write_batch(fd.get(), writes, written, buffers[0]);
+    REQUIRE(ferry::wait_all(written, hang_bound).verdict == verdict::success);
+    std::vector<uring::read_block> reads;
+    for (std::size_t i = 0; i < 4; ++i) {
+      reads.push_back({buffers[1].memory.subspan(i * 4096, 4096), 65536 + (3 - i) * 4096});
+    }
+    reads.push_back({buffers[0].memory.first(4096), 65536});  // not inside buffers[1]
+    std::vector<ferry::transfer> read(5);
+    r.read_batch(files[0], reads, read, buffers[1]);
+    CHECK(read[4].state() == transfer_state::failed);
+    CHECK(read[4].error() == ferry::errc::outside_registered_buffer);
+    REQUIRE(ferry::wait_all(std::span(read).first(4), hang_bound).verdict == verdict::success);
+    for (std::size_t i = 0; i < 4; ++i) {
+      CHECK(std::equal(blocks_data.begin() + (3 - i) * 4096, blocks_data.begin() + (4 - i) * 4096,
+                       buffers[1].memory.begin() + i * 4096));
+    }
+    // They really go as fixed reads: naming buffer 1's index with buffer 0's memory passes ferry's
+    // check, and the kernel, which holds buffer 1's range for that index, refuses the address.
+    const uring::fixed_buffer mislabelled{buffers[1].index, buffers[0].memory};
+    const uring::read_block one[] = {{buffers[0].memory.first(4096), 65536}};
+    ferry::transfer refused;
+    r.read_batch(fd.get(), one, std::span(&refused, 1), mislabelled);
+    REQUIRE(refused.wait_for(hang_bound) == transfer_state::failed);
+    CHECK(refused.error() == std::error_code(EFAULT, std::system_category()));
+  }
+
   // A span outside the buffer it names is refused before the kernel sees it.
   ferry::transfer outside = r.read(fd.get(), buffers[1].memory.subspan(1), 0, buffers[0]);
   CHECK(outside.state() == transfer_state::failed);

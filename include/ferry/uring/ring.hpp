@@ -431,16 +431,23 @@ class ring {
   // Many blocks at once, one transfer each (out[i] for blocks[i]), published with one CAS and
   // submitted in calls of ring_options::submit_batch.
   void read_batch(file_ref file, std::span<const read_block> blocks, std::span<transfer> out) {
-    submit_batch(detail::op_kind::read, file, blocks.size(), out, [&](std::size_t i) {
-      return std::pair<std::byte*, std::size_t>{blocks[i].dst.data(), blocks[i].dst.size()};
-    }, [&](std::size_t i) { return blocks[i].offset; });
+    batch_reads(file, blocks, out, nullptr);
+  }
+
+  // The same through a registered buffer, which every block must lie inside (a block that does not
+  // fails alone, with errc::outside_registered_buffer).
+  void read_batch(file_ref file, std::span<const read_block> blocks, std::span<transfer> out,
+                  const fixed_buffer& registered) {
+    batch_reads(file, blocks, out, &registered);
   }
 
   void write_batch(file_ref file, std::span<const write_block> blocks, std::span<transfer> out) {
-    submit_batch(detail::op_kind::write, file, blocks.size(), out, [&](std::size_t i) {
-      return std::pair<std::byte*, std::size_t>{const_cast<std::byte*>(blocks[i].src.data()),
-                                                blocks[i].src.size()};
-    }, [&](std::size_t i) { return blocks[i].offset; });
+    batch_writes(file, blocks, out, nullptr);
+  }
+
+  void write_batch(file_ref file, std::span<const write_block> blocks, std::span<transfer> out,
+                   const fixed_buffer& registered) {
+    batch_writes(file, blocks, out, &registered);
   }
 
   // Best effort: asks the kernel to cancel the operation completing `t`. If it is cancelled, `t`
@@ -598,9 +605,24 @@ class ring {
     return t;
   }
 
+  void batch_reads(file_ref file, std::span<const read_block> blocks, std::span<transfer> out,
+                   const fixed_buffer* registered) {
+    submit_batch(detail::op_kind::read, file, blocks.size(), out, registered, [&](std::size_t i) {
+      return std::pair<std::byte*, std::size_t>{blocks[i].dst.data(), blocks[i].dst.size()};
+    }, [&](std::size_t i) { return blocks[i].offset; });
+  }
+
+  void batch_writes(file_ref file, std::span<const write_block> blocks, std::span<transfer> out,
+                    const fixed_buffer* registered) {
+    submit_batch(detail::op_kind::write, file, blocks.size(), out, registered, [&](std::size_t i) {
+      return std::pair<std::byte*, std::size_t>{const_cast<std::byte*>(blocks[i].src.data()),
+                                                blocks[i].src.size()};
+    }, [&](std::size_t i) { return blocks[i].offset; });
+  }
+
   template <class Buffer, class Offset>
   void submit_batch(op_kind kind, file_ref file, std::size_t n, std::span<transfer> out,
-                    Buffer buffer_of, Offset offset_of) {
+                    const fixed_buffer* registered, Buffer buffer_of, Offset offset_of) {
     if (out.size() < n) {
       throw std::invalid_argument("ferry::uring::ring: batch output span holds " +
                                   std::to_string(out.size()) + " transfers for " +
@@ -616,9 +638,16 @@ class ring {
           out[i] = make_completed_transfer(transfer_state::failed, errc::empty_buffer);
           continue;
         }
+        if (registered != nullptr) {
+          if (const errc e = check_registered(data, length, *registered); e != errc{}) {
+            out[i] = make_completed_transfer(transfer_state::failed, e);
+            continue;
+          }
+        }
         op* o = op::make(kind);
         o->fd = file.descriptor();
         o->fixed_file = file.fixed();
+        o->buffer_index = registered == nullptr ? -1 : static_cast<int>(registered->index);
         o->buffer = data;
         o->length = length;
         o->offset = offset_of(i);
