@@ -664,6 +664,40 @@ TEST_CASE("kv: a block written by two transfers is reported once, and only when 
   CHECK(tracker.drain_failed_blocks().empty());
 }
 
+TEST_CASE("kv: a block is not reported while the request is open, since a later transfer may "
+          "still write it",
+          "[kv]") {
+  // A KDA layer's two transfers into one block, the second added after the first has failed. Had
+  // the block been reported then, the engine would reuse it under the second transfer's DMA, and
+  // the second one's failure could never be reported again.
+  kv::load_tracker tracker;
+  batch b(2);
+  auto h = tracker.add_request(1);
+  tracker.add(h, 3, b.transfers[0], blocks({5}));
+  b.completers[0].fail(failure);
+  CHECK(tracker.drain_failed_blocks().empty());
+  tracker.add(h, 3, b.transfers[1], blocks({5}));
+  tracker.seal(h);
+  CHECK(tracker.drain_failed_blocks().empty());  // the second transfer still writes block 5
+  b.completers[1].fail(failure);
+  CHECK(tracker.drain_failed_blocks() == blocks({5}));
+}
+
+TEST_CASE("kv: post with a layer out of range refuses before submitting anything", "[kv]") {
+  kv::load_tracker tracker;
+  auto h = tracker.add_request(1);
+  int submitted = 0;
+  CHECK_THROWS_WITH(tracker.post(h, kv::load_tracker::max_layers, blocks({9}),
+                                 [&]() -> std::optional<ferry::transfer> {
+                                   ++submitted;
+                                   return ferry::make_completed_transfer(transfer_state::success);
+                                 }),
+                    Catch::Contains("beyond the largest supported layer"));
+  CHECK(submitted == 0);
+  tracker.seal(h);
+  CHECK(tracker.verdict(1) == request_verdict::failed);  // empty: nothing was registered
+}
+
 TEST_CASE("kv: post on a sealed or aborted request submits nothing", "[kv]") {
   kv::load_tracker tracker;
   auto h = tracker.add_request(1);

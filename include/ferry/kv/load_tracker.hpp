@@ -186,20 +186,11 @@ class load_tracker {
     return request_handle(id, slot, r.generation);
   }
 
-  // Registers one transfer of the request: its layer and the destination blocks it writes.
+  // Registers one transfer of the request: its layer and the destination blocks it writes. If it
+  // throws (a bad layer, no memory), nothing was registered.
   void add(request_handle h, std::size_t layer, transfer t, std::span<const block_id> destination) {
-    request_entry& r = open_entry(h, "add");
-    if (layer >= max_layers) {
-      throw std::out_of_range("ferry::kv::load_tracker::add: layer " + std::to_string(layer) +
-                              " is beyond the largest supported layer index " +
-                              std::to_string(max_layers - 1));
-    }
-    if (layer >= step_layers_.size()) step_layers_.resize(layer + 1);
-    step_layers_[layer].push_back(t);
-    const auto begin = static_cast<std::uint32_t>(r.blocks.size());
-    r.blocks.insert(r.blocks.end(), destination.begin(), destination.end());
-    r.members.push_back(member{std::move(t), static_cast<std::uint32_t>(layer), begin,
-                               static_cast<std::uint32_t>(r.blocks.size()), false});
+    request_entry& r = make_room(h, layer, destination.size(), "add");
+    commit(r, layer, std::move(t), destination);
   }
 
   // Posts through `submit` and registers the result. `submit()` returns a transfer, or nullopt when
@@ -209,12 +200,13 @@ class load_tracker {
   template <class Submit>
   void post(request_handle h, std::size_t layer, std::span<const block_id> destination,
             Submit&& submit) {
-    // Checked before submitting, so that a transfer never goes out that the tracker cannot track.
-    const request_entry& r = open_entry(h, "post");
+    // Checked, and room made, before submitting: a transfer never goes out that the tracker cannot
+    // track, and registering it cannot fail.
+    request_entry& r = make_room(h, layer, destination.size(), "post");
     const auto left = std::chrono::duration_cast<clock::duration>(r.options.abort_timeout);
     const clock::time_point deadline =
         r.created > clock::time_point::max() - left ? clock::time_point::max() : r.created + left;
-    add(h, layer, post_with_backoff(std::forward<Submit>(submit), deadline), destination);
+    commit(r, layer, post_with_backoff(std::forward<Submit>(submit), deadline), destination);
   }
 
   // Every transfer of the request has been added: only now can it be done.
@@ -332,13 +324,15 @@ class load_tracker {
     return out;
   }
 
-  // Destination blocks whose load failed (or was cancelled), each reported once, and only once the
-  // transfer writing them is terminal. Hybrid and aborted requests report none.
+  // Destination blocks whose load failed (or was cancelled), each reported once, and only once no
+  // transfer of the request writes them any more: the request is sealed (until then another
+  // transfer may still be added for the block) and every transfer writing the block is terminal.
+  // Hybrid and aborted requests report none.
   [[nodiscard]] std::vector<block_id> drain_failed_blocks() {
     std::vector<block_id> out = std::move(unclaimed_blocks_);
     unclaimed_blocks_.clear();
     for (request_entry& r : requests_) {
-      if (r.live && !r.options.hybrid && !r.aborted) collect_failed_blocks(r, out);
+      if (r.live && r.sealed && !r.options.hybrid && !r.aborted) collect_failed_blocks(r, out);
     }
     return out;
   }
@@ -375,6 +369,42 @@ class load_tracker {
     std::error_code error;
     std::optional<std::size_t> first_pending;
   };
+
+  // The checks and allocations of registering one transfer, so that commit() cannot fail.
+  request_entry& make_room(request_handle h, std::size_t layer, std::size_t blocks,
+                           const char* what) {
+    request_entry& r = open_entry(h, what);
+    if (layer >= max_layers) {
+      throw std::out_of_range(std::string("ferry::kv::load_tracker::") + what + ": layer " +
+                              std::to_string(layer) + " is beyond the largest supported layer index " +
+                              std::to_string(max_layers - 1));
+    }
+    if (r.blocks.size() + blocks > UINT32_MAX) {
+      throw std::length_error(std::string("ferry::kv::load_tracker::") + what + ": request " +
+                              std::to_string(r.id) + " would write more than 2^32 - 1 blocks");
+    }
+    if (layer >= step_layers_.size()) step_layers_.resize(layer + 1);
+    reserve_more(step_layers_[layer], 1);
+    reserve_more(r.members, 1);
+    reserve_more(r.blocks, blocks);
+    return r;
+  }
+
+  void commit(request_entry& r, std::size_t layer, transfer t,
+              std::span<const block_id> destination) noexcept {
+    step_layers_[layer].push_back(t);
+    const auto begin = static_cast<std::uint32_t>(r.blocks.size());
+    r.blocks.insert(r.blocks.end(), destination.begin(), destination.end());
+    r.members.push_back(member{std::move(t), static_cast<std::uint32_t>(layer), begin,
+                               static_cast<std::uint32_t>(r.blocks.size()), false});
+  }
+
+  // Capacity for `n` more, growing geometrically.
+  template <class T>
+  static void reserve_more(std::vector<T>& v, std::size_t n) {
+    if (v.capacity() - v.size() >= n) return;
+    v.reserve(std::max(v.size() + n, 2 * v.capacity()));
+  }
 
   static std::uint64_t sequence_of(const transfer& t) noexcept {
     return t.status() == nullptr ? 0 : t.status()->event().sequence;
