@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -125,6 +126,43 @@ TEST_CASE("hip: a copy the runtime refuses, and bad input, fail at once", "[hip]
   }
   // The next good copy still works.
   REQUIRE(e.copy(a.data(), b.data(), 64, fh::copy_kind::device_to_device).wait_for(hang_bound) ==
+          transfer_state::success);
+}
+
+TEST_CASE("hip: a runtime that makes no event gives a failed transfer, not an exception", "[hip]") {
+  ferry::progress_executor exec;
+  fh::copy_engine_options lazy;
+  lazy.events = 0;  // every copy needs a new event
+  engine e(exec, lazy);
+  std::vector<std::byte> a(64), b(64, std::byte{3});
+  fh::fake::control::instance().refuse_next_event_creates(1);
+  transfer refused = e.copy(a.data(), b.data(), 64, fh::copy_kind::device_to_device);
+  CHECK(refused.state() == transfer_state::failed);
+  CHECK(refused.error().message() == "fakeErrorInvalidValue: invalid argument");
+  CHECK(e.outstanding() == 0);
+  CHECK(e.counters().submitted == e.counters().failed);
+  REQUIRE(e.copy(a.data(), b.data(), 64, fh::copy_kind::device_to_device).wait_for(hang_bound) ==
+          transfer_state::success);
+  CHECK(a == b);
+}
+
+TEST_CASE("hip: a query that fails while its copy still runs fails the transfer only once the copy "
+          "is over",
+          "[hip]") {
+  // The error is the query's own: the copy goes on. Its transfer must not turn failed (and its
+  // buffer be freed or reused) while the GPU still writes into it.
+  ferry::progress_executor exec;
+  engine e(exec);
+  std::optional<copy_time> slow(std::in_place, 50ms);
+  std::vector<std::byte> dst(64), src(64, std::byte{9});
+  fh::fake::control::instance().fail_next_queries(1);
+  transfer t = e.copy(dst.data(), src.data(), 64, fh::copy_kind::device_to_device);
+  REQUIRE(t.wait_for(hang_bound) == transfer_state::failed);
+  CHECK(t.error().message() == "fakeErrorInvalidResourceHandle: invalid resource handle");
+  CHECK(dst == src);  // the copy had finished before the failure was reported
+  slow.reset();
+  // The engine goes on.
+  REQUIRE(e.copy(dst.data(), src.data(), 64, fh::copy_kind::device_to_device).wait_for(hang_bound) ==
           transfer_state::success);
 }
 

@@ -12,7 +12,8 @@
 // stopping at the first that is not ready (a stream completes in order, so the later ones cannot be
 // either), and starting each round at the next stream, so that a busy stream never starves the
 // others. A ready event completes its transfer; an event that reports an error fails its transfer
-// with a std::error_code naming the runtime error, and the engine goes on with the other copies. (On
+// with a std::error_code naming the runtime error, once its stream has been waited for (the error
+// may be the query's own, with the copy still running), and the engine goes on with the others. (On
 // a real GPU an asynchronous fault is sticky: the whole context fails, so every later query reports
 // it too.) Events have no descriptor to sleep on: while copies are outstanding the engine is busy()
 // and the executor does not park, so it notices a finished copy within one round.
@@ -192,6 +193,12 @@ class basic_copy_engine {
     r->next = nullptr;
     try {
       r->event = take_event();
+    } catch (const std::system_error& e) {
+      // The runtime made no event: a runtime error at submission, like any other.
+      record::pool::release(r);
+      submitted_.fetch_add(1, std::memory_order_relaxed);
+      failed_.fetch_add(1, std::memory_order_relaxed);
+      return make_completed_transfer(transfer_state::failed, e.code());
     } catch (...) {
       record::pool::release(r);
       throw;
@@ -271,7 +278,15 @@ class basic_copy_engine {
         record_body* r = l.head;
         l.head = r->next;
         if (l.head == nullptr) l.tail = nullptr;
-        give_event(r->event);
+        if (e == R::success) {
+          give_event(r->event);
+        } else {
+          // The copy failed, or the query itself did, and then the copy may still be running: wait
+          // for the stream, so that nothing writes the buffer once the transfer has failed, and
+          // drop the event rather than record it again (it may be live, or bad).
+          R::stream_synchronize(l.stream);
+          R::event_destroy(r->event);
+        }
         outstanding_.fetch_sub(1, std::memory_order_relaxed);
         finish(r, e);
         ++handled;

@@ -90,6 +90,21 @@ class control {
     refuse_with_ = error;
   }
 
+  // The next `count` event creations are refused with `error`.
+  void refuse_next_event_creates(int count, int error = error_invalid_value) {
+    std::lock_guard lock(mutex_);
+    refuse_events_ = count;
+    refuse_events_with_ = error;
+  }
+
+  // The next `count` event queries answer `error` whatever the event's state (a query that fails of
+  // itself, not because its copy did).
+  void fail_next_queries(int count, int error = error_invalid_resource_handle) {
+    std::lock_guard lock(mutex_);
+    fail_queries_ = count;
+    fail_queries_with_ = error;
+  }
+
   void set_devices(int n) {
     std::lock_guard lock(mutex_);
     devices_ = n;
@@ -118,6 +133,10 @@ class control {
   std::chrono::nanoseconds copy_time_{std::chrono::microseconds(20)};
   int refuse_next_ = 0;
   int refuse_with_ = success;
+  int refuse_events_ = 0;
+  int refuse_events_with_ = success;
+  int fail_queries_ = 0;
+  int fail_queries_with_ = success;
   int devices_ = 1;
   std::uint64_t queries_ = 0;
   std::vector<std::unique_ptr<stream>> streams_;
@@ -202,6 +221,10 @@ struct runtime {
   static int event_create(event_handle& e) noexcept {
     control& c = control::instance();
     std::lock_guard lock(c.mutex_);
+    if (c.refuse_events_ > 0) {
+      --c.refuse_events_;
+      return c.refuse_events_with_;
+    }
     c.events_.push_back(std::make_unique<event>());
     e = c.events_.back().get();
     e->device = current_device;
@@ -227,6 +250,10 @@ struct runtime {
     control& c = control::instance();
     std::lock_guard lock(c.mutex_);
     ++c.queries_;
+    if (c.fail_queries_ > 0) {
+      --c.fail_queries_;
+      return c.fail_queries_with_;
+    }
     if (!e->recorded || e->after == 0) return success;
     c.advance(*e->on, std::chrono::steady_clock::now());
     if (e->on->finished < e->after) return not_ready;
