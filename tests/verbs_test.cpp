@@ -153,6 +153,22 @@ TEST_CASE("verbs: a full send queue backs off until room frees, or fails at the 
     CHECK(fifth.wait_for(hang_bound) == transfer_state::success);
     CHECK(all_end(first, transfer_state::success));
   }
+  SECTION("the longest admission timeout waits for room, not overflowing into an expired deadline") {
+    fv::queue_pair_options o;
+    o.send_depth = 4;
+    o.admission_timeout = std::chrono::nanoseconds::max();
+    rig r(o);
+    paused_fabric pause;
+    std::vector<transfer> first = post_writes(r, 4);
+    std::thread resumer([&] {
+      std::this_thread::sleep_for(50ms);
+      pause.resume();
+    });
+    transfer fifth = r.a_qp->write(r.a_mem->slice(512, 64), r.b_mem->remote().slice(512, 64));
+    resumer.join();
+    CHECK(fifth.wait_for(hang_bound) == transfer_state::success);
+    CHECK(all_end(first, transfer_state::success));
+  }
   SECTION("the queue stays full: a clear failure at the deadline, nothing lost") {
     fv::queue_pair_options o;
     o.send_depth = 4;
@@ -374,6 +390,8 @@ TEST_CASE("verbs: bad input is refused with an error naming what was wrong", "[v
   CHECK_THROWS_AS(device(*r.exec_a, fv::device_options{"ferry_no_such_device", 1, 0, 64}),
                   std::runtime_error);
   CHECK_THROWS_AS(region::allocate(*r.a, 0), std::invalid_argument);
+  // A size that cannot be rounded up to whole pages is refused, not wrapped round to nothing.
+  CHECK_THROWS_AS(region::allocate(*r.a, SIZE_MAX - 100), std::length_error);
 }
 
 TEST_CASE("verbs: closing a queue pair fails what it holds and frees the memory after the flush",

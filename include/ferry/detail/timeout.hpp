@@ -41,4 +41,14 @@ template <class Rep, class Period>
   return {timeout::kind::bounded, ns};
 }
 
+// The deadline of a wait of `d` that starts now, read as above: negative never comes (the clock's
+// end), zero is now, and a long one saturates rather than overflowing into the past.
+template <class Rep, class Period>
+[[nodiscard]] clock::time_point deadline_after(std::chrono::duration<Rep, Period> d) noexcept {
+  const timeout t = make_timeout(d);
+  if (t.is_forever()) return clock::time_point::max();
+  if (t.is_look()) return clock::now();
+  return t.deadline();
+}
+
 }  // namespace ferry::detail

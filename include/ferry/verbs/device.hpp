@@ -361,6 +361,10 @@ class basic_memory_region {
       throw std::invalid_argument("ferry::verbs::memory_region::allocate: zero bytes requested");
     }
     constexpr std::size_t page = 4096;
+    if (bytes > SIZE_MAX - (page - 1)) {
+      throw std::length_error("ferry::verbs::memory_region::allocate: " + std::to_string(bytes) +
+                              " bytes cannot be rounded up to whole pages");
+    }
     const std::size_t rounded = (bytes + page - 1) / page * page;
     auto* data = static_cast<std::byte*>(::operator new(rounded, std::align_val_t{page}));
     std::memset(data, 0, rounded);
@@ -1544,7 +1548,7 @@ class basic_queue_pair {
       return failed(make_error_code(ferry::errc::submission_queue_full));
     }
     return post_with_backoff(std::forward<Try>(attempt),
-                             std::chrono::steady_clock::now() + state_->admission_timeout);
+                             ferry::detail::deadline_after(state_->admission_timeout));
   }
 
   // A request refused before it takes a slot: the device is dead, the queue pair broken or never

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "ferry/detail/socket.hpp"
+#include "ferry/detail/timeout.hpp"
 #include "ferry/verbs/device.hpp"
 #include "ferry/verbs/errors.hpp"
 
@@ -235,7 +236,7 @@ template <class P, class Rep = std::int64_t, class Period = std::milli>
                                           queue_pair_options options = {},
                                           std::chrono::duration<Rep, Period> timeout =
                                               std::chrono::milliseconds(10000)) {
-  const auto deadline = detail::handshake_clock::now() + timeout;
+  const auto deadline = ferry::detail::deadline_after(timeout);
   const int fd = ferry::detail::for_each_address(
       host, port, 0, make_error_code(errc::handshake_failed), "ferry::verbs handshake",
       [&](int s, const addrinfo& a) {
@@ -291,7 +292,7 @@ class side_channel_listener {
                                            queue_pair_options options = {},
                                            std::chrono::duration<Rep, Period> timeout =
                                                std::chrono::milliseconds(10000)) {
-    const auto deadline = detail::handshake_clock::now() + timeout;
+    const auto deadline = ferry::detail::deadline_after(timeout);
     for (;;) {
       detail::wait_ready(socket_.get(), POLLIN, deadline, "waiting for a peer to connect");
       detail::socket_guard s(::accept4(socket_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
