@@ -698,6 +698,44 @@ TEST_CASE("kv: post with a layer out of range refuses before submitting anything
   CHECK(tracker.verdict(1) == request_verdict::failed);  // empty: nothing was registered
 }
 
+TEST_CASE("kv: a submit function that calls back into the tracker is refused, and nothing breaks",
+          "[kv]") {
+  // post() holds room made for the transfer it registers next: a submit that adds requests (which
+  // may move every request) or begins a step would pull it away.
+  kv::load_tracker tracker;
+  auto h = tracker.add_request(1);
+  CHECK_THROWS_WITH(tracker.post(h, 0, blocks({1}),
+                                 [&]() -> std::optional<ferry::transfer> {
+                                   for (kv::request_id id = 100; id < 200; ++id) {
+                                     (void)tracker.add_request(id);
+                                   }
+                                   return ferry::make_completed_transfer(transfer_state::success);
+                                 }),
+                    Catch::Contains("inside post()'s submit"));
+  CHECK(tracker.tracked() == 1);
+  // The tracker is as it was, and usable.
+  tracker.post(h, 0, blocks({2}), [] {
+    return std::optional<ferry::transfer>(ferry::make_completed_transfer(transfer_state::success));
+  });
+  tracker.seal(h);
+  CHECK(tracker.verdict(1) == request_verdict::success);
+}
+
+TEST_CASE("post_with_backoff: zero or negative pauses neither overflow nor spin without sleeping",
+          "[kv]") {
+  int tries = 0;
+  const auto start = clock_type::now();
+  const ferry::transfer t = ferry::post_with_backoff(
+      [&]() -> std::optional<ferry::transfer> {
+        ++tries;
+        return std::nullopt;
+      },
+      std::chrono::steady_clock::now() + 20ms, ferry::backoff_options{-5ms, -1ms});
+  CHECK(t.error() == ferry::errc::submission_queue_full);
+  CHECK(ms_since(start) < 10'000);
+  CHECK(tries < 100'000);  // it paused between tries, not spun
+}
+
 TEST_CASE("kv: post on a sealed or aborted request submits nothing", "[kv]") {
   kv::load_tracker tracker;
   auto h = tracker.add_request(1);

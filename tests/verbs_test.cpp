@@ -245,6 +245,31 @@ TEST_CASE("verbs: device fatal, port down and CQ error fail everything they stra
   }
 }
 
+TEST_CASE("verbs: a queue pair never has more RDMA READs out than its peer accepts", "[verbs]") {
+  // The requester pipelines up to its max_rd_atomic READs; a responder set up for fewer answers the
+  // excess with an invalid-request NAK (the fake does as adapters do), which breaks both queue
+  // pairs. Connecting takes the smaller of the two.
+  rig r;
+  fv::queue_pair_options many;
+  many.max_rd_atomic = 16;
+  fv::queue_pair_options few;
+  few.max_rd_atomic = 4;
+  r.a_qp = std::make_unique<queue_pair>(*r.a, many);
+  r.b_qp = std::make_unique<queue_pair>(*r.b, few);
+  CHECK(r.b_qp->local_info().max_rd_atomic == 4);
+  r.a_qp->connect(r.b_qp->local_info());
+  r.b_qp->connect(r.a_qp->local_info());
+  fill_pattern(r.b_mem->bytes().first(16 * 64), 3);
+  std::vector<block> reads;
+  for (std::size_t i = 0; i < 16; ++i) {
+    reads.push_back({r.a_mem->slice(i * 64, 64), r.b_mem->remote().slice(i * 64, 64)});
+  }
+  std::vector<transfer> out(reads.size());
+  r.a_qp->read_batch(std::span<const block>(reads), std::span<transfer>(out));
+  REQUIRE(ferry::wait_all(out, hang_bound).verdict == ferry::verdict::success);
+  CHECK(has_pattern(r.a_mem->bytes().first(16 * 64), 3));
+}
+
 TEST_CASE("verbs: a request whose completion never comes fails at its deadline, memory pinned",
           "[verbs]") {
   rig r;
@@ -384,6 +409,9 @@ TEST_CASE("verbs: bad input is refused with an error naming what was wrong", "[v
   fv::queue_pair_options zero;
   zero.send_depth = 0;
   CHECK_THROWS_AS(queue_pair(*r.a, zero), std::invalid_argument);
+  fv::queue_pair_options no_reads;
+  no_reads.max_rd_atomic = 0;
+  CHECK_THROWS_WITH(queue_pair(*r.a, no_reads), Catch::Contains("max_rd_atomic must be at least 1"));
   fv::queue_pair_options huge;
   huge.send_depth = 100000;
   CHECK_THROWS_AS(queue_pair(*r.a, huge), std::length_error);

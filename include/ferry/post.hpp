@@ -36,8 +36,9 @@ template <class Submit>
     }
     std::this_thread::sleep_for(std::min<std::chrono::nanoseconds>(
         pause, std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now)));
-    // Doubled up to the limit, without overflowing for a limit near the largest duration.
-    const auto limit = std::max(options.limit, options.initial);
+    // Doubled up to the limit (at least the first pause), without overflowing for a limit near
+    // the largest duration.
+    const auto limit = std::max({options.limit, options.initial, pause});
     pause = pause > limit / 2 ? limit : pause * 2;
   }
 }

@@ -282,9 +282,9 @@ class basic_copy_engine {
           give_event(r->event);
         } else {
           // The copy failed, or the query itself did, and then the copy may still be running: wait
-          // for the stream, so that nothing writes the buffer once the transfer has failed, and
-          // drop the event rather than record it again (it may be live, or bad).
-          R::stream_synchronize(l.stream);
+          // for it (for the whole stream if the event cannot tell), so that nothing writes the
+          // buffer once the transfer has failed, and drop the event rather than record it again.
+          if (R::event_synchronize(r->event) != R::success) R::stream_synchronize(l.stream);
           R::event_destroy(r->event);
         }
         outstanding_.fetch_sub(1, std::memory_order_relaxed);

@@ -148,6 +148,7 @@ class load_tracker {
   // step's layer lists stay untouched until the step after this one begins, so a wait on them that
   // is still finishing sees what it was given; every wait must end within that.
   void begin_step() {
+    not_from_submit("begin_step");
     std::swap(step_layers_, previous_layers_);
     for (auto& layer : step_layers_) layer.clear();
   }
@@ -155,6 +156,7 @@ class load_tracker {
   // Starts tracking a request; its age counts from `created`.
   request_handle add_request(request_id id, request_options options = {},
                              clock::time_point created = clock::now()) {
+    not_from_submit("add_request");
     if (options.abort_timeout < std::chrono::nanoseconds::zero()) {
       throw std::invalid_argument("ferry::kv::load_tracker: request " + std::to_string(id) +
                                   " has a negative abort_timeout");
@@ -193,7 +195,8 @@ class load_tracker {
     commit(r, layer, std::move(t), destination);
   }
 
-  // Posts through `submit` and registers the result. `submit()` returns a transfer, or nullopt when
+  // Posts through `submit` and registers the result. `submit` must not call back into the tracker
+  // (the call fails with std::logic_error): the room for its transfer is made before it runs. `submit()` returns a transfer, or nullopt when
   // the backend's submission queue is full; then it is retried with exponential backoff until the
   // request's deadline (created + abort_timeout), after which an already-failed transfer
   // (errc::submission_queue_full) is registered and takes the ordinary failure path.
@@ -206,15 +209,23 @@ class load_tracker {
     const auto left = std::chrono::duration_cast<clock::duration>(r.options.abort_timeout);
     const clock::time_point deadline =
         r.created > clock::time_point::max() - left ? clock::time_point::max() : r.created + left;
-    commit(r, layer, post_with_backoff(std::forward<Submit>(submit), deadline), destination);
+    transfer t = [&] {
+      const submitting in_submit(submitting_);
+      return post_with_backoff(std::forward<Submit>(submit), deadline);
+    }();
+    commit(r, layer, std::move(t), destination);
   }
 
   // Every transfer of the request has been added: only now can it be done.
-  void seal(request_handle h) { entry(h, "seal").sealed = true; }
+  void seal(request_handle h) {
+    not_from_submit("seal");
+    entry(h, "seal").sealed = true;
+  }
 
   // The engine gives up on the request (after a transfer_error, for one): it no longer raises, its
   // blocks are not reported, and it is released once every transfer is terminal.
   void abort_request(request_id id) {
+    not_from_submit("abort_request");
     request_entry& r = requests_[lookup(id, "abort_request")];
     r.aborted = true;
     r.sealed = true;
@@ -290,6 +301,7 @@ class load_tracker {
   // once, and stops tracking it. Raises transfer_error, changing nothing, if a hybrid request has
   // failed or timed out and has not been aborted.
   [[nodiscard]] std::vector<finished_request> take_finished(clock::time_point now = clock::now()) {
+    not_from_submit("take_finished");
     // First look at everything, so that a raise leaves the tracker exactly as it was.
     finished_scratch_.clear();
     for (std::uint32_t slot = 0; slot < requests_.size(); ++slot) {
@@ -329,6 +341,7 @@ class load_tracker {
   // transfer may still be added for the block) and every transfer writing the block is terminal.
   // Hybrid and aborted requests report none.
   [[nodiscard]] std::vector<block_id> drain_failed_blocks() {
+    not_from_submit("drain_failed_blocks");
     std::vector<block_id> out = std::move(unclaimed_blocks_);
     unclaimed_blocks_.clear();
     for (request_entry& r : requests_) {
@@ -514,7 +527,26 @@ class load_tracker {
     return requests_[h.slot_];
   }
 
+  // Set while post() runs the user's submit, which must leave the tracker alone: post() holds a
+  // reference into it, and room made for the transfer it registers next.
+  struct submitting {
+    bool& flag;
+    explicit submitting(bool& f) noexcept : flag(f) { flag = true; }
+    ~submitting() { flag = false; }
+    submitting(const submitting&) = delete;
+    submitting& operator=(const submitting&) = delete;
+  };
+
+  void not_from_submit(const char* what) const {
+    if (submitting_) {
+      throw std::logic_error(std::string("ferry::kv::load_tracker::") + what +
+                             ": called from inside post()'s submit function, which must not "
+                             "change the tracker");
+    }
+  }
+
   request_entry& open_entry(request_handle h, const char* what) {
+    not_from_submit(what);
     request_entry& r = entry(h, what);
     if (r.sealed) {
       throw std::logic_error(std::string("ferry::kv::load_tracker::") + what + ": request " +
@@ -533,6 +565,7 @@ class load_tracker {
   std::uint64_t generations_ = 0;
   std::vector<block_id> unclaimed_blocks_;  // from requests finished before their blocks were drained
   std::vector<std::pair<std::uint32_t, assessment>> finished_scratch_;
+  bool submitting_ = false;
 };
 
 }  // namespace ferry::kv

@@ -135,6 +135,8 @@ struct endpoint_info {
   std::uint8_t mtu = IBV_MTU_1024;  // an ibv_mtu
   bool has_gid = false;             // RoCE: routed by GID
   ibv_gid gid{};
+  // The RDMA READs this side accepts in flight as a responder: the peer never has more out at once.
+  std::uint8_t max_rd_atomic = 16;
 };
 
 struct device_counters {
@@ -660,6 +662,10 @@ class basic_device {
   // Creates an RC queue pair in INIT with its receives posted. The executor learns of it through the
   // `open` op, published before any request on it can be.
   qp_state* create_queue_pair(const queue_pair_options& o) {
+    if (o.max_rd_atomic == 0) {
+      throw std::invalid_argument(
+          "ferry::verbs::queue_pair_options::max_rd_atomic must be at least 1");
+    }
     if (o.send_depth == 0) {
       throw std::invalid_argument("ferry::verbs::queue_pair_options::send_depth must be at least 1");
     }
@@ -760,6 +766,7 @@ class basic_device {
     info.mtu = mtu_;
     info.has_gid = has_gid_;
     info.gid = gid_;
+    info.max_rd_atomic = s->max_rd_atomic;
     return info;
   }
 
@@ -796,7 +803,10 @@ class basic_device {
     attr.retry_cnt = 7;
     attr.rnr_retry = 7;  // the peer not ready to receive a notification: retry without limit
     attr.sq_psn = s->psn;
-    attr.max_rd_atomic = s->max_rd_atomic;
+    // No more READs out at once than the peer accepts: beyond that it would answer with an
+    // invalid-request NAK, and the queue pair would go to the error state. (A peer that accepts none
+    // can still be written to; a READ towards it fails.)
+    attr.max_rd_atomic = std::min(s->max_rd_atomic, remote.max_rd_atomic);
     if (const int r = P::modify_qp(s->qp, attr,
                                    IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
                                        IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC);

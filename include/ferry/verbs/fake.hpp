@@ -171,6 +171,8 @@ class qp {
   unsigned access_ = 0;
   std::uint16_t dest_lid_ = 0;
   std::uint32_t dest_qpn_ = 0;
+  std::uint8_t max_rd_atomic_ = 0;       // READs it has in flight at once as a requester (RTS)
+  std::uint8_t max_dest_rd_atomic_ = 0;  // READs it accepts in flight as a responder (RTR)
   // Every outstanding send request, oldest first: those executed but not yet released by a poll,
   // then those still to execute, from sequence number next_exec_ on.
   std::deque<send_request> sq_;
@@ -393,6 +395,14 @@ class fabric {
       retire(q, deliver(q, *r, w, staging));
       return true;
     }
+    if (reads && reads_in_flight(q) > r->max_dest_rd_atomic_) {
+      // The requester pipelines up to its max_rd_atomic READs; a responder that accepts fewer
+      // answers the excess with an invalid-request NAK, and both go to the error state.
+      retire(q, IBV_WC_REM_INV_REQ_ERR);
+      r->state_ = IBV_QPS_ERR;
+      post_event(*r->pd_->context_, event{IBV_EVENT_QP_REQ_ERR, r, nullptr, 0});
+      return true;
+    }
     if (!remote_access(*r, w, reads ? IBV_ACCESS_REMOTE_READ : IBV_ACCESS_REMOTE_WRITE)) {
       retire(q, IBV_WC_REM_ACCESS_ERR);
       r->state_ = IBV_QPS_ERR;
@@ -409,6 +419,17 @@ class fabric {
     }
     retire(q, IBV_WC_SUCCESS);
     return true;
+  }
+
+  // The READs a real adapter would have out at once from here: those queued to execute, up to the
+  // requester's max_rd_atomic (at least the one about to go).
+  static std::size_t reads_in_flight(const qp& q) {
+    const std::size_t cap = std::max<std::size_t>(q.max_rd_atomic_, 1);
+    std::size_t n = 0;
+    for (std::size_t i = q.next_exec_ - q.sq_.front().seq; i < q.sq_.size() && n < cap; ++i) {
+      if (q.sq_[i].opcode == IBV_WR_RDMA_READ) ++n;
+    }
+    return n;
   }
 
   // Consumes the responder's oldest receive for `w` (a SEND lands in its buffers; an RDMA WRITE
@@ -939,6 +960,8 @@ class fabric {
       q->dest_lid_ = attr.ah_attr.dlid;
       q->dest_qpn_ = attr.dest_qp_num;
     }
+    if ((mask & IBV_QP_MAX_DEST_RD_ATOMIC) != 0) q->max_dest_rd_atomic_ = attr.max_dest_rd_atomic;
+    if ((mask & IBV_QP_MAX_QP_RD_ATOMIC) != 0) q->max_rd_atomic_ = attr.max_rd_atomic;
     if ((mask & IBV_QP_ACCESS_FLAGS) != 0) q->access_ = attr.qp_access_flags;
     if (to == IBV_QPS_RESET) {
       forget_completions(*q);

@@ -45,9 +45,9 @@ struct basic_connection {
 namespace detail {
 
 inline constexpr std::uint32_t handshake_magic = 0x56595246;  // "FRYV" read as little-endian
-inline constexpr std::uint32_t handshake_version = 1;
+inline constexpr std::uint32_t handshake_version = 2;
 inline constexpr std::uint32_t max_exposed_regions = 4096;
-inline constexpr std::size_t handshake_fixed_bytes = 4 + 4 + 4 + 4 + 2 + 1 + 1 + 16 + 4;
+inline constexpr std::size_t handshake_fixed_bytes = 4 + 4 + 4 + 4 + 2 + 1 + 1 + 1 + 16 + 4;
 inline constexpr std::size_t handshake_region_bytes = 8 + 8 + 4 + 4;
 
 using handshake_clock = std::chrono::steady_clock;
@@ -175,6 +175,7 @@ basic_connection<P> handshake(int fd, basic_device<P>& device, std::span<const r
   w.u16(mine.lid);
   w.u8(mine.mtu);
   w.u8(mine.has_gid ? 1 : 0);
+  w.u8(mine.max_rd_atomic);
   w.raw(mine.gid.raw, sizeof mine.gid.raw);
   w.u32(static_cast<std::uint32_t>(exposed.size()));
   for (const remote_region& r : exposed) {
@@ -201,6 +202,7 @@ basic_connection<P> handshake(int fd, basic_device<P>& device, std::span<const r
   theirs.lid = head.u16();
   theirs.mtu = head.u8();
   theirs.has_gid = head.u8() != 0;
+  theirs.max_rd_atomic = head.u8();
   head.raw(theirs.gid.raw, sizeof theirs.gid.raw);
   const std::uint32_t count = head.u32();
   if (count > max_exposed_regions) {
