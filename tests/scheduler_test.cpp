@@ -316,11 +316,11 @@ TEST_CASE("task: a caller resumes on its own scheduler even when the task it awa
       std::this_thread::sleep_for(1ms);
       (void)c.succeed();
     });
-    const auto ids = ferry::sync_wait([](auto child, ferry::transfer t, ferry::inline_scheduler& s,
-                                         std::atomic<bool>& awaiting)
-                                          -> ferry::task<std::pair<std::thread::id, std::thread::id>> {
+    using ids_t = std::pair<std::thread::id, std::thread::id>;  // where the child ended, the caller
+    const ids_t ids = ferry::sync_wait([](auto child, ferry::transfer t, ferry::inline_scheduler& s,
+                                          std::atomic<bool>& awaiting) -> ferry::task<ids_t> {
       const std::thread::id child_ended_on = co_await child(t, s, awaiting);
-      co_return std::pair{child_ended_on, std::this_thread::get_id()};
+      co_return ids_t{child_ended_on, std::this_thread::get_id()};
     }(child, t, on_completer, awaiting));
     completer.join();
     if (ids.first == std::this_thread::get_id()) continue;  // the child never left

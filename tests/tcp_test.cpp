@@ -773,7 +773,8 @@ TEST_CASE("tcp: room that comes back goes to the oldest waiter, not to the work 
     [](uring::ring& r, int fd, std::span<std::byte> b, ferry::inline_scheduler& s,
        std::atomic<int>& readers, std::atomic<long>& reads) -> detached_inline {
       for (;;) {
-        const transfer_state st = co_await ferry::resume_on(s, r.read(fd, b, uring::current_position));
+        const transfer_state st =
+            co_await ferry::resume_on(s, r.read(fd, b, uring::current_position));
         if (st != transfer_state::success) break;
         reads.fetch_add(1);
       }

@@ -195,11 +195,12 @@ class load_tracker {
     commit(r, layer, std::move(t), destination);
   }
 
-  // Posts through `submit` and registers the result. `submit` must not call back into the tracker
-  // (the call fails with std::logic_error): the room for its transfer is made before it runs. `submit()` returns a transfer, or nullopt when
+  // Posts through `submit` and registers the result. `submit()` returns a transfer, or nullopt when
   // the backend's submission queue is full; then it is retried with exponential backoff until the
   // request's deadline (created + abort_timeout), after which an already-failed transfer
-  // (errc::submission_queue_full) is registered and takes the ordinary failure path.
+  // (errc::submission_queue_full) is registered and takes the ordinary failure path. The room for
+  // the transfer is made before `submit` runs, so `submit` must not call back into the tracker
+  // (such a call fails with std::logic_error).
   template <class Submit>
   void post(request_handle h, std::size_t layer, std::span<const block_id> destination,
             Submit&& submit) {
@@ -389,7 +390,8 @@ class load_tracker {
     request_entry& r = open_entry(h, what);
     if (layer >= max_layers) {
       throw std::out_of_range(std::string("ferry::kv::load_tracker::") + what + ": layer " +
-                              std::to_string(layer) + " is beyond the largest supported layer index " +
+                              std::to_string(layer) +
+                              " is beyond the largest supported layer index " +
                               std::to_string(max_layers - 1));
     }
     if (r.blocks.size() + blocks > UINT32_MAX) {

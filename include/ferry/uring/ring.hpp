@@ -456,9 +456,9 @@ class ring {
   // Sends to one connection go out coalesced, several frames to one sendmsg: cancelling any of
   // them stops that sendmsg. Frames it sent whole succeed, a frame it cut part-way ends cancelled,
   // and untouched frames that were not cancelled are sent again. (A sendmsg that comes back short
-  // completes the frames it sent whole at once, so a cancel of one of those is a no-op.) A cut frame puts the stream out of
-  // step: the connection's later sends fail, and its write side is shut down so that the peer's
-  // receive fails rather than wait for the rest of the frame.
+  // completes the frames it sent whole at once, so a cancel of one of those is a no-op.) A cut
+  // frame puts the stream out of step: the connection's later sends fail, and its write side is
+  // shut down so that the peer's receive fails rather than wait for the rest of the frame.
   void cancel(const transfer& t) {
     if (t.status() == nullptr || t.done()) return;
     detail::op* c = detail::op::make(detail::op_kind::cancel);
@@ -768,7 +768,8 @@ class ring {
   }
 
   void fail_backlogs() noexcept {
-    for (detail::op_queue* q : {&cancel_backlog_, &file_backlog_, &send_backlog_, &receive_backlog_}) {
+    for (detail::op_queue* q :
+         {&cancel_backlog_, &file_backlog_, &send_backlog_, &receive_backlog_}) {
       while (op* o = q->pop()) finish_unstarted(o);
     }
   }
