@@ -1,7 +1,7 @@
 #!/bin/sh
 # The README's quick-start commands are the ones CI and the scripts run: its second command block
-# under "## Quick start" must be exactly what .ci/run executes last, .ci/run must run the demo mode
-# through scripts/fresh_debian.sh where it can, that script must run scripts/quickstart.sh with the
+# under "## Quick start" must be exactly the first command .ci/run executes, .ci/run must then run
+# the demo mode through scripts/fresh_debian.sh where it can, that script must run scripts/quickstart.sh with the
 # mode it is given, and both blocks must name a mode scripts/quickstart.sh accepts.
 # Usage: check_quickstart.sh SOURCE_ROOT
 set -eu
@@ -17,8 +17,12 @@ block() {
 }
 demo=$(block 1)
 test_command=$(block 2)
-# .ci/run's last line is the command it runs.
-ci_command=$(tail -n 1 "$root/.ci/run")
+# .ci/run's first command: the first line that is not a comment, blank, `set` or the `cd` to the
+# checkout's root.
+ci_command=$(awk '
+  /^#/ || /^[[:space:]]*$/ || /^set / || /^cd / { next }
+  { print; exit }
+' "$root/.ci/run")
 status=0
 if [ "$demo" != "scripts/quickstart.sh demo" ]; then
   echo "README quick start, first command: '$demo', expected 'scripts/quickstart.sh demo'" >&2
@@ -29,10 +33,10 @@ if [ "$test_command" != "scripts/quickstart.sh test" ]; then
   status=1
 fi
 if [ "$ci_command" != "$test_command" ]; then
-  echo ".ci/run executes '$ci_command', but the README's test command is '$test_command'" >&2
+  echo ".ci/run first executes '$ci_command', but the README's test command is '$test_command'" >&2
   status=1
 fi
-# Before the test command, where CI can, it runs the demo command through fresh_debian.sh, which
+# After the test command, where CI can, it runs the demo command through fresh_debian.sh, which
 # must run it as written.
 fresh_block=$(awk '
   /^if scripts\/fresh_debian.sh check; then$/ { on = 1 }
