@@ -66,16 +66,10 @@ void write_all(int fd, const void* p, std::size_t n) {
 // room in the ring until release().
 class stalled_reads {
  public:
-  explicit stalled_reads(uring::ring& r)
-      : buffer_(r.in_flight_limit()),
-        read_ends_(r.in_flight_limit()),
-        write_ends_(r.in_flight_limit()) {
+  explicit stalled_reads(uring::ring& r) : buffer_(r.in_flight_limit()), pipes_(r.in_flight_limit()) {
     for (unsigned i = 0; i < r.in_flight_limit(); ++i) {
-      int p[2];
-      REQUIRE(::pipe2(p, O_CLOEXEC) == 0);
-      read_ends_[i].reset(p[0]);
-      write_ends_[i].reset(p[1]);
-      reads_.push_back(r.read(p[0], std::span(buffer_).subspan(i, 1), uring::current_position));
+      reads_.push_back(r.read(pipes_.read_ends[i].get(), std::span(buffer_).subspan(i, 1),
+                              uring::current_position));
     }
     REQUIRE(wait_until([&] { return r.counters().backlogged > 0; }));
   }
@@ -83,13 +77,13 @@ class stalled_reads {
 
   // The reads end (the pipes report end of file) and the ring has room again.
   void release() {
-    for (fd_guard& w : write_ends_) w.reset(-1);
+    for (fd_guard& w : pipes_.write_ends) w.reset(-1);
     (void)ferry::drain(reads_, hang_bound);
   }
 
  private:
   std::vector<std::byte> buffer_;
-  std::vector<fd_guard> read_ends_, write_ends_;
+  pipe_set pipes_;
   std::vector<ferry::transfer> reads_;
 };
 
@@ -125,6 +119,29 @@ bool read_exactly(int fd, std::size_t n) {
 std::size_t max_rw_count() {
   return 0x7fffffffu & ~(static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)) - 1);
 }
+
+// File reads that never let up: each read of `fd` into `b` at `offset` is followed at once by the
+// next, on the executor (its continuation resumes inline, in the round its completion came in),
+// until one fails or `stop` is set. Counts them in `reads`; `readers` goes down by one at the end.
+struct relentless_reads {
+  std::atomic<bool> stop{false};
+  std::atomic<int> readers{0};
+  std::atomic<long> reads{0};
+
+  void start(uring::ring& r, int fd, std::span<std::byte> b, std::uint64_t offset) {
+    readers.fetch_add(1);
+    [](uring::ring& r, int fd, std::span<std::byte> b, std::uint64_t offset,
+       relentless_reads& self) -> detached_inline {
+      ferry::inline_scheduler on_executor;
+      while (!self.stop.load()) {
+        const transfer_state st = co_await ferry::resume_on(on_executor, r.read(fd, b, offset));
+        if (st != transfer_state::success) break;
+        self.reads.fetch_add(1);
+      }
+      self.readers.fetch_sub(1);
+    }(r, fd, b, offset, *this);
+  }
+};
 
 // A new connected pair of Unix stream sockets; whoever takes an end closes it.
 class socket_pair {
@@ -684,31 +701,15 @@ TEST_CASE("tcp: a send waiting for its share of the ring is not starved by file 
   ferry::transfer waiting_send = waiting.send(2, payload);
   REQUIRE(wait_until([&] { return r.counters().backlogged > backlogged; }));
 
-  std::atomic<bool> stop{false};
-  std::atomic<int> readers{0};
-  std::atomic<long> reads{0};
-  ferry::inline_scheduler on_executor;
-  constexpr int n = 16;
-  std::vector<std::vector<std::byte>> buffers(n, std::vector<std::byte>(64));
-  for (auto& b : buffers) {
-    readers.fetch_add(1);
-    [](uring::ring& r, int fd, std::span<std::byte> b, ferry::inline_scheduler& s,
-       std::atomic<bool>& stop, std::atomic<int>& readers, std::atomic<long>& reads)
-        -> detached_inline {
-      while (!stop.load()) {
-        const transfer_state st = co_await ferry::resume_on(s, r.read(fd, b, 0));
-        if (st != transfer_state::success) break;
-        reads.fetch_add(1);
-      }
-      readers.fetch_sub(1);
-    }(r, zero.get(), b, on_executor, stop, readers, reads);
-  }
-  REQUIRE(wait_until([&] { return reads.load() > 1000; }));
+  relentless_reads file;
+  std::vector<std::vector<std::byte>> buffers(16, std::vector<std::byte>(64));
+  for (auto& b : buffers) file.start(r, zero.get(), b, 0);
+  REQUIRE(wait_until([&] { return file.reads.load() > 1000; }));
   REQUIRE(read_exactly(stalled_pair.second(), filled));  // the stalled send goes out
   REQUIRE(stalled_send.wait_for(hang_bound) == transfer_state::success);
   const transfer_state waited = waiting_send.wait_for(hang_bound);
-  stop.store(true);
-  REQUIRE(wait_until([&] { return readers.load() == 0; }));
+  file.stop.store(true);
+  REQUIRE(wait_until([&] { return file.readers.load() == 0; }));
   REQUIRE(waited == transfer_state::success);
 }
 
@@ -757,29 +758,14 @@ TEST_CASE("tcp: room that comes back goes to the oldest waiter, not to the work 
   ferry::progress_executor exec;
   uring::ring r(exec, uring::ring_options{.entries = 1});
   const unsigned n = r.in_flight_limit() - 1;  // the room besides the cancel share
-  std::vector<fd_guard> read_ends(n), write_ends(n);
-  for (unsigned i = 0; i < n; ++i) {
-    int p[2];
-    REQUIRE(::pipe2(p, O_CLOEXEC) == 0);
-    read_ends[i].reset(p[0]);
-    write_ends[i].reset(p[1]);
-  }
-  std::atomic<int> readers{static_cast<int>(n)};
-  std::atomic<long> reads{0};
-  ferry::inline_scheduler on_executor;
+  pipe_set fds(n);
+  std::vector<fd_guard>& read_ends = fds.read_ends;
+  std::vector<fd_guard>& write_ends = fds.write_ends;
+  relentless_reads pipes;
   std::vector<std::vector<std::byte>> buffers(n, std::vector<std::byte>(1));
   const auto submitted = r.counters().submitted;
   for (unsigned i = 0; i < n; ++i) {
-    [](uring::ring& r, int fd, std::span<std::byte> b, ferry::inline_scheduler& s,
-       std::atomic<int>& readers, std::atomic<long>& reads) -> detached_inline {
-      for (;;) {
-        const transfer_state st =
-            co_await ferry::resume_on(s, r.read(fd, b, uring::current_position));
-        if (st != transfer_state::success) break;
-        reads.fetch_add(1);
-      }
-      readers.fetch_sub(1);
-    }(r, read_ends[i].get(), buffers[i], on_executor, readers, reads);
+    pipes.start(r, read_ends[i].get(), buffers[i], uring::current_position);
   }
   REQUIRE(wait_until([&] { return r.counters().submitted >= submitted + n; }));
   socket_pair sockets;
@@ -789,13 +775,13 @@ TEST_CASE("tcp: room that comes back goes to the oldest waiter, not to the work 
   ferry::transfer send = conn.send(1, byte_pattern(100, 3));  // the peer has room: done once issued
   REQUIRE(wait_until([&] { return r.counters().backlogged > backlogged; }));
   for (int k = 0; k < 100 && send.state() == transfer_state::pending; ++k) {
-    const long before = reads.load();
+    const long before = pipes.reads.load();
     REQUIRE(::write(write_ends[k % n].get(), "x", 1) == 1);
-    REQUIRE(wait_until([&] { return reads.load() > before; }));
+    REQUIRE(wait_until([&] { return pipes.reads.load() > before; }));
   }
   const transfer_state sent = send.wait_for(hang_bound);
   for (fd_guard& w : write_ends) w.reset(-1);  // the reads end (end of file), and their readers
-  REQUIRE(wait_until([&] { return readers.load() == 0; }));
+  REQUIRE(wait_until([&] { return pipes.readers.load() == 0; }));
   CHECK(sent == transfer_state::success);
 }
 

@@ -2,6 +2,7 @@
 // For the io_uring tests: a temporary directory that removes itself, byte patterns, and a check that
 // the kernel lets this process use io_uring at all.
 
+#include <cerrno>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
@@ -75,6 +76,24 @@ class fd_guard {
 
  private:
   int fd_;
+};
+
+// `n` pipes, every end closed with the object (or earlier, by resetting its guard: a reader whose
+// writer is closed sees the end of the file).
+struct pipe_set {
+  std::vector<fd_guard> read_ends;
+  std::vector<fd_guard> write_ends;
+
+  explicit pipe_set(std::size_t n) : read_ends(n), write_ends(n) {
+    for (std::size_t i = 0; i < n; ++i) {
+      int p[2];
+      if (::pipe2(p, O_CLOEXEC) != 0) {
+        throw std::system_error(errno, std::system_category(), "pipe2");
+      }
+      read_ends[i].reset(p[0]);
+      write_ends[i].reset(p[1]);
+    }
+  }
 };
 
 inline std::vector<std::byte> byte_pattern(std::size_t n, unsigned seed) {

@@ -526,13 +526,9 @@ TEST_CASE("uring: cancels always reach the kernel, even with the ring full of re
   ferry::progress_executor exec;
   uring::ring r(exec, uring::ring_options{.entries = 2});
   constexpr int pipes = 8;
-  std::vector<fd_guard> rd(pipes), wr(pipes);
-  for (int i = 0; i < pipes; ++i) {
-    int p[2];
-    REQUIRE(::pipe2(p, O_CLOEXEC) == 0);
-    rd[i].reset(p[0]);
-    wr[i].reset(p[1]);
-  }
+  pipe_set fds(pipes);
+  std::vector<fd_guard>& rd = fds.read_ends;
+  std::vector<fd_guard>& wr = fds.write_ends;
   std::vector<std::vector<std::byte>> buf(pipes, std::vector<std::byte>(1));
   // More reads than the ring holds, none of which can finish: only cancels end them.
   std::vector<ferry::transfer> ts;

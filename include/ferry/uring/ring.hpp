@@ -310,8 +310,7 @@ class ring {
     submit_batch_ = options.submit_batch;
     cancel_room_ = std::max(1u, limit_ / 8);
     const unsigned rest = limit_ - cancel_room_;
-    receive_room_ = std::max(1u, rest / 2);
-    send_room_ = std::max(1u, rest / 2);
+    socket_kind_room_ = std::max(1u, rest / 2);
     socket_room_ = std::max(2u, rest * 3 / 4);
     try {
       in_flight_.reserve(limit_);
@@ -830,8 +829,8 @@ class ring {
     if (kind == op_kind::cancel) return cancels_in_flight_ < cancel_room_;
     if (in_flight_.size() >= limit_ - cancel_room_) return false;
     const bool socket_room = receives_in_flight_ + sends_in_flight_ < socket_room_;
-    if (kind == op_kind::receive) return socket_room && receives_in_flight_ < receive_room_;
-    if (kind == op_kind::send) return socket_room && sends_in_flight_ < send_room_;
+    if (kind == op_kind::receive) return socket_room && receives_in_flight_ < socket_kind_room_;
+    if (kind == op_kind::send) return socket_room && sends_in_flight_ < socket_kind_room_;
     return true;
   }
 
@@ -1478,9 +1477,8 @@ class ring {
   unsigned receives_in_flight_ = 0;
   unsigned sends_in_flight_ = 0;
   unsigned cancel_room_ = 1;   // CQ entries only cancels may use
-  unsigned receive_room_ = 1;  // the most socket receives in flight at once
-  unsigned send_room_ = 1;     // the most socket sends in flight at once
-  unsigned socket_room_ = 2;   // the most socket receives and sends in flight together
+  unsigned socket_kind_room_ = 1;  // the most socket receives, or sends, in flight at once
+  unsigned socket_room_ = 2;       // the most socket receives and sends in flight together
   // Waiting for room, one queue per kind, so that no kind waits behind another's share.
   detail::op_queue file_backlog_;
   detail::op_queue send_backlog_;
