@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -446,6 +447,94 @@ TEST_CASE("uring: the executor parks on the ring and the kernel wakes it", "[uri
   REQUIRE(t.wait_for(hang_bound) == transfer_state::success);
   CHECK(std::memcmp(buf.data(), "hello", 5) == 0);
   CHECK(exec.counters().wakeups == wakeups);
+}
+
+namespace {
+
+// Whether this kernel can defer completions to the issuer's own calls (Linux 6.1 on).
+bool kernel_defers_task_work() {
+  io_uring probe{};
+  io_uring_params p{};
+  p.flags = IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN;
+  if (::io_uring_queue_init_params(4, &probe, &p) != 0) return false;
+  ::io_uring_queue_exit(&probe);
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("uring: both ring set-ups, deferred completions and plain, serve every thread",
+          "[uring][concurrency]") {
+  FERRY_REQUIRE_URING();
+  for (const bool defer : {true, false}) {
+    INFO("defer_task_work = " << defer);
+    ferry::progress_executor exec(ferry::executor_options{.mode = ferry::progress_mode::park});
+    temp_dir dir;
+    fd_guard fd(::open(dir.file("both").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+    REQUIRE(fd.get() >= 0);
+    int p[2];
+    REQUIRE(::pipe2(p, O_CLOEXEC) == 0);
+    fd_guard rd(p[0]), wr(p[1]);
+    std::vector<ferry::transfer> stranded;
+    uring::aligned_buffer arena(8192);
+    std::vector<std::byte> buf(5);
+    {
+      uring::ring r(exec, uring::ring_options{.defer_task_work = defer});
+      CHECK(r.defers_task_work() == (defer && kernel_defers_task_work()));
+      // Registration from this thread, which is not the ring's issuer when completions are
+      // deferred: the kernel would refuse it here (EEXIST), so it runs on the executor's.
+      const std::span<std::byte> regions[] = {arena.subspan(0, 8192)};
+      const auto buffers = r.register_buffers(regions);
+      const int fds[] = {fd.get()};
+      const auto files = r.register_files(fds);
+      const auto data = byte_pattern(4096, 5);
+      std::memcpy(arena.data(), data.data(), data.size());
+      REQUIRE(r.write(files[0], buffers[0].memory.first(4096), 0, buffers[0]).wait_for(hang_bound) ==
+              transfer_state::success);
+      REQUIRE(r.read(files[0], buffers[0].memory.subspan(4096, 4096), 0, buffers[0])
+                  .wait_for(hang_bound) == transfer_state::success);
+      CHECK(std::equal(data.begin(), data.end(), buffers[0].memory.begin() + 4096));
+      // The parked executor is woken by the kernel alone (no submission after the park).
+      ferry::transfer t = r.read(rd.get(), buf, uring::current_position);
+      REQUIRE(wait_until([&] { return exec.counters().parks > 0 && r.counters().submitted >= 3; }));
+      std::this_thread::sleep_for(10ms);
+      REQUIRE(::write(wr.get(), "hello", 5) == 5);
+      REQUIRE(t.wait_for(hang_bound) == transfer_state::success);
+      CHECK(std::memcmp(buf.data(), "hello", 5) == 0);
+      // Destroyed from this thread with a read in the kernel: cancelled and waited for.
+      stranded.push_back(r.read(rd.get(), buf, uring::current_position));
+      REQUIRE(wait_until([&] { return r.counters().submitted >= 4; }));
+    }
+    REQUIRE(stranded[0].done());
+    CHECK(stranded[0].state() == transfer_state::cancelled);
+  }
+}
+
+TEST_CASE("uring: stress: a parking executor misses no completion the kernel defers to it",
+          "[uring][concurrency]") {
+  FERRY_REQUIRE_URING();
+  // Each round parks the executor while a pipe read waits, and the write that completes it races
+  // the park: before it, during it (after the executor switched the ring's eventfd on, or before),
+  // or after. A completion that comes while the executor decides to sleep must still wake it.
+  std::vector<std::byte> buf(1);  // before the ring, which may still read into it when it goes
+  ferry::progress_executor exec(ferry::executor_options{.mode = ferry::progress_mode::park});
+  uring::ring r(exec);
+  int p[2];
+  REQUIRE(::pipe2(p, O_CLOEXEC) == 0);
+  fd_guard rd(p[0]), wr(p[1]);
+  std::mt19937 rng(7);
+  for (int i = 0; i < 30000; ++i) {
+    ferry::transfer t = r.read(rd.get(), buf, uring::current_position);
+    // A spin, not a sleep: sleeps are too coarse to land inside the park.
+    const auto until = clock_type::now() + std::chrono::nanoseconds(rng() % 60'000);
+    while (clock_type::now() < until) {
+    }
+    const char c = static_cast<char>(i);
+    REQUIRE(::write(wr.get(), &c, 1) == 1);
+    REQUIRE(t.wait_for(hang_bound) == transfer_state::success);
+    REQUIRE(buf[0] == static_cast<std::byte>(c));
+  }
+  CHECK(exec.counters().parks > 0);
 }
 
 TEST_CASE("uring: destroying the ring cancels what the kernel holds and waits for it",

@@ -30,6 +30,14 @@
 // only when its own completion (-ECANCELED) arrives, so a buffer is never released while the kernel
 // may still write it. An operation still in the backlog never reached the kernel and is cancelled at
 // once.
+//
+// Task work. By default (Linux 6.1 on) the ring is set up SINGLE_ISSUER | DEFER_TASKRUN with the
+// executor thread as its one issuer: the kernel finishes completions only inside the executor's own
+// io_uring_enter calls, never by interrupting it, and needs no cross-CPU wake-ups to do so. That
+// ties every call into the ring to that thread, so registrations and the destructor's final wait
+// run there too (the calling thread waits for them), and the executor parks on an eventfd the
+// kernel signals when completions are due. On an older kernel the ring silently falls back to the
+// plain set-up (`defers_task_work()` tells).
 
 #include <liburing.h>
 
@@ -47,11 +55,14 @@
 #include <system_error>
 #include <vector>
 
+#include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
 #include "ferry/detail/block_pool.hpp"
+#include "ferry/detail/futex.hpp"
 #include "ferry/detail/status_block.hpp"
 #include "ferry/detail/submission_stack.hpp"
 #include "ferry/errors.hpp"
@@ -64,8 +75,6 @@ namespace ferry::uring {
 // character devices).
 inline constexpr std::uint64_t current_position = ~std::uint64_t{0};
 
-// ferry's threading (the executor submits, any thread may destroy) rules out SQPOLL, SINGLE_ISSUER
-// and the deferred task-work modes, so only sizes are configurable.
 struct ring_options {
   // Submission queue entries (at most 32768). The completion queue gets twice as many and bounds
   // what is in flight at once: with the default, 448 operations besides cancels, of which at most
@@ -78,6 +87,10 @@ struct ring_options {
   // The most SQEs one io_uring_enter carries; 0 for no limit (one call per executor round). Up to
   // two, the kernel does not plug the block layer, so each request reaches the device at once.
   unsigned submit_batch = 2;
+  // SINGLE_ISSUER | DEFER_TASKRUN with the executor as the issuer, where the kernel has them (6.1
+  // on): completions are finished in the executor's own system calls rather than by interrupting
+  // it. false: the plain set-up, which costs more per operation when the CPU is the limit.
+  bool defer_task_work = true;
 };
 
 // A descriptor registered with ring::register_files.
@@ -136,7 +149,7 @@ namespace detail {
 
 using ferry::detail::status_block;
 
-enum class op_kind : std::uint8_t { read, write, readv, writev, send, receive, cancel, detach };
+enum class op_kind : std::uint8_t { read, write, readv, writev, send, receive, cancel, detach, call };
 
 // The wire header of one framed block.
 struct frame_header {
@@ -209,6 +222,8 @@ struct op_body {
   connection_state* connection = nullptr;
   received_block* received = nullptr;
   op* target = nullptr;  // for a cancel: the operation it asks the kernel to cancel
+  int (*call)(void*) noexcept = nullptr;  // a call: run on the executor thread, returns -errno or 0
+  void* call_argument = nullptr;
   op* next = nullptr;    // submission stack, backlog and connection queues
   frame_header header;
   iovec parts[2]{};  // a send: header and payload; a receive: parts[1] is the destination
@@ -290,22 +305,28 @@ class ring {
     }
     // The kernel's own limit (IORING_MAX_ENTRIES), so that twice it still fits in 32 bits.
     const unsigned entries = std::min(options.entries, 32768u);
+    // Newest set-up first; each fallback drops what an older kernel refuses with EINVAL (deferred
+    // task work: 6.1; SUBMIT_ALL: 5.18). ferry depends on neither.
+    constexpr unsigned plain = IORING_SETUP_CLAMP | IORING_SETUP_CQSIZE;
+    constexpr unsigned deferred = IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN |
+                                  IORING_SETUP_TASKRUN_FLAG | IORING_SETUP_R_DISABLED;
+    int r = -EINVAL;
     io_uring_params params{};
-    params.flags = IORING_SETUP_CLAMP | IORING_SETUP_CQSIZE | IORING_SETUP_SUBMIT_ALL;
-    params.cq_entries = std::max(4u, 2 * entries);  // room for cancels, socket work, the rest
-    int r = ::io_uring_queue_init_params(entries, &ring_, &params);
-    if (r == -EINVAL) {
-      // A kernel before 5.18 has no SUBMIT_ALL; ferry does not depend on it.
+    for (const unsigned flags : {plain | IORING_SETUP_SUBMIT_ALL | deferred,
+                                 plain | IORING_SETUP_SUBMIT_ALL, plain}) {
+      if ((flags & deferred) != 0 && !options.defer_task_work) continue;
       params = io_uring_params{};
-      params.flags = IORING_SETUP_CLAMP | IORING_SETUP_CQSIZE;
-      params.cq_entries = std::max(4u, 2 * entries);
+      params.flags = flags;
+      params.cq_entries = std::max(4u, 2 * entries);  // room for cancels, socket work, the rest
       r = ::io_uring_queue_init_params(entries, &ring_, &params);
+      if (r != -EINVAL) break;
     }
     if (r < 0) {
       throw std::system_error(-r, std::system_category(),
                               "ferry::uring::ring: io_uring_queue_init_params(" +
                                   std::to_string(options.entries) + " entries)");
     }
+    deferred_ = (params.flags & IORING_SETUP_DEFER_TASKRUN) != 0;
     limit_ = params.cq_entries;
     submit_batch_ = options.submit_batch;
     cancel_room_ = std::max(1u, limit_ / 8);
@@ -314,10 +335,45 @@ class ring {
     socket_room_ = std::max(2u, rest * 3 / 4);
     try {
       in_flight_.reserve(limit_);
+      if (deferred_) {
+        // Deferred completions make the ring's own descriptor no sign of work: the executor parks
+        // on this eventfd, which the kernel signals when some are due.
+        due_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+        if (due_fd_ < 0) {
+          throw std::system_error(errno, std::system_category(), "ferry::uring::ring: eventfd");
+        }
+        if (const int e = ::io_uring_register_eventfd(&ring_, due_fd_); e < 0) {
+          throw std::system_error(-e, std::system_category(),
+                                  "ferry::uring::ring: io_uring_register_eventfd");
+        }
+        ::io_uring_cq_eventfd_toggle(&ring_, false);  // switched on only to park (arm())
+      }
       exec_.add_source(*this);
     } catch (...) {
-      ::io_uring_queue_exit(&ring_);
+      close_ring();
       throw;
+    }
+    if (deferred_) {
+      // The thread that enables the ring becomes its one issuer.
+      int e = 0;
+      try {
+        e = on_executor([this]() noexcept {
+          return ::syscall(__NR_io_uring_register, ring_.ring_fd, IORING_REGISTER_ENABLE_RINGS,
+                           nullptr, 0) < 0
+                     ? -errno
+                     : 0;
+        });
+      } catch (...) {
+        exec_.remove_source(*this);
+        close_ring();
+        throw;
+      }
+      if (e < 0) {
+        exec_.remove_source(*this);
+        close_ring();
+        throw std::system_error(-e, std::system_category(),
+                                "ferry::uring::ring: enabling the ring on the executor thread");
+      }
     }
   }
 
@@ -335,56 +391,20 @@ class ring {
                    connections_.load(std::memory_order_relaxed));
       std::abort();
     }
-    exec_.remove_source(*this);
-    // From here this thread is the only one touching the ring. Completing an operation may resume
-    // a continuation inline here, which may submit more: that is taken (and refused) each time
-    // round, until nothing is queued or in flight.
-    shutting_down_ = true;
-    for (;;) {
-      take_incoming();
-      fail_backlogs();
-      if (in_flight_.empty() && cancels_in_flight_ == 0 &&
-          incoming_.empty()) {
-        break;
-      }
-      // One cancel per operation, as CQ room allows (every kernel has these; CANCEL_ANY is 5.19+).
-      for (op* o : in_flight_) {
-        if (o->cancelled_at_shutdown) continue;
-        if (in_flight_.size() + cancels_in_flight_ >= limit_) break;
-        io_uring_sqe* sqe = next_sqe();
-        if (sqe == nullptr) break;
-        ::io_uring_prep_cancel64(sqe, reinterpret_cast<std::uintptr_t>(o), 0);
-        ::io_uring_sqe_set_data64(sqe, 0);
-        o->cancel_requested = true;
-        o->cancelled_at_shutdown = true;
-        ++cancels_in_flight_;
-      }
-      flush();
-      if (in_flight_.empty() && cancels_in_flight_ == 0) continue;
-      // Submits again what flush() could not hand over (the kernel was short of memory) in the
-      // same call that waits, so that the wait is never for a cancel the kernel does not have.
-      io_uring_cqe* cqe = nullptr;
-      int r = ::io_uring_submit_and_wait(&ring_, 1);
-      if (r >= 0) r = ::io_uring_peek_cqe(&ring_, &cqe);
-      if (r == -EINTR || r == -EAGAIN || r == -EBUSY) continue;
-      if (r < 0) {
-        // The kernel may still write into buffers it holds; returning would free them under it.
-        std::fprintf(stderr,
-                     "ferry: uring::ring destroyed but waiting for its completions failed (%s)\n",
-                     std::strerror(-r));
-        std::abort();
-      }
-      const std::uint64_t data = cqe->user_data;
-      const int res = cqe->res;
-      ::io_uring_cqe_seen(&ring_, cqe);
-      if (data == 0) {
-        --cancels_in_flight_;
-      } else {
-        on_completion(reinterpret_cast<detail::op*>(data), res);
-      }
+    if (deferred_) {
+      // Only the issuer may wait for this ring's completions: the executor shuts it down in one of
+      // its rounds, after which its polls find nothing to do.
+      (void)on_executor([this]() noexcept {
+        shut_down();
+        return 0;
+      });
+      exec_.remove_source(*this);
+    } else {
+      exec_.remove_source(*this);
+      shut_down();
     }
     while (connections_head_ != nullptr) unlist(connections_head_);
-    ::io_uring_queue_exit(&ring_);
+    close_ring();
   }
 
   // Reads dst.size() bytes at `offset` (or current_position) into dst.
@@ -472,7 +492,9 @@ class ring {
     std::vector<iovec> iov;
     iov.reserve(buffers.size());
     for (const auto& b : buffers) iov.push_back(iovec{b.data(), b.size()});
-    const int r = ::io_uring_register_buffers(&ring_, iov.data(), static_cast<unsigned>(iov.size()));
+    const int r = on_executor([&]() noexcept {
+      return ::io_uring_register_buffers(&ring_, iov.data(), static_cast<unsigned>(iov.size()));
+    });
     if (r < 0) {
       throw std::system_error(-r, std::system_category(),
                               "ferry::uring::ring::register_buffers (" +
@@ -488,7 +510,9 @@ class ring {
 
   // Registers descriptors for IOSQE_FIXED_FILE (once per ring).
   [[nodiscard]] std::vector<fixed_file> register_files(std::span<const int> fds) {
-    const int r = ::io_uring_register_files(&ring_, fds.data(), static_cast<unsigned>(fds.size()));
+    const int r = on_executor([&]() noexcept {
+      return ::io_uring_register_files(&ring_, fds.data(), static_cast<unsigned>(fds.size()));
+    });
     if (r < 0) {
       throw std::system_error(-r, std::system_category(),
                               "ferry::uring::ring::register_files (" + std::to_string(fds.size()) +
@@ -502,6 +526,10 @@ class ring {
 
   // How many operations the kernel may hold at once (the completion queue's size).
   [[nodiscard]] unsigned in_flight_limit() const noexcept { return limit_; }
+
+  // Whether the kernel defers completions to the executor's own calls (ring_options::defer_task_work
+  // asked for it, and the kernel has it).
+  [[nodiscard]] bool defers_task_work() const noexcept { return deferred_; }
 
   [[nodiscard]] ring_counters counters() const noexcept {
     ring_counters c;
@@ -517,19 +545,41 @@ class ring {
 
   // The executor's side: a completion source whose descriptor is readable when CQEs wait.
   std::size_t poll(std::size_t budget) noexcept {
+    if (signalling_) {
+      // Awake again: completions are found by looking, until the next park.
+      ::io_uring_cq_eventfd_toggle(&ring_, false);
+      signalling_ = false;
+    }
     if (!incoming_.empty()) take_incoming();
     pump();
     flush();
-    const std::size_t handled = reap(budget);
+    std::size_t handled = reap(budget);
     if (handled != 0) {
       pump();
       flush();
     }
+    handled += run_calls();
     // SQEs the kernel did not take (it was short of memory) must be retried, not slept on.
     return handled + (::io_uring_sq_ready(&ring_) != 0 ? 1 : 0);
   }
 
-  [[nodiscard]] int park_fd() const noexcept { return ring_.ring_fd; }
+  [[nodiscard]] int park_fd() const noexcept { return deferred_ ? due_fd_ : ring_.ring_fd; }
+
+  // Before the executor sleeps on due_fd_. The kernel signals it only while it is switched on
+  // (signalling costs a wake-up call in the kernel per completion run), and only when the first of
+  // a run of deferred completions is queued, which may have come before the switch. So: switch it
+  // on, clear it, then look again. The kernel sets IORING_SQ_TASKRUN, then reads the switch; this
+  // thread sets the switch, then reads the flag; each has a full barrier between, so at least one
+  // sees the other: either the look below finds the work, or the kernel signals.
+  bool arm() noexcept {
+    if (!deferred_) return true;
+    ::io_uring_cq_eventfd_toggle(&ring_, true);
+    signalling_ = true;
+    ferry::detail::full_barrier();
+    std::uint64_t count = 0;
+    [[maybe_unused]] const ssize_t n = ::read(due_fd_, &count, sizeof count);
+    return !completions_due() && ::io_uring_cq_ready(&ring_) == 0;
+  }
 
  private:
   friend class tcp_connection;
@@ -689,6 +739,10 @@ class ring {
         return;
       case op_kind::detach:
         detach(o);
+        return;
+      case op_kind::call:
+        // Run by poll() once this round's completions are handled, never from inside reap().
+        calls_.push(o);
         return;
       default:
         start(o);
@@ -883,6 +937,7 @@ class ring {
         ::io_uring_prep_cancel64(sqe, reinterpret_cast<std::uintptr_t>(o->target), 0);
         return;
       case op_kind::detach:  // routed before it could reach here
+      case op_kind::call:
         ::io_uring_prep_nop(sqe);
         return;
     }
@@ -1463,10 +1518,100 @@ class ring {
   // tcp.hpp: a connection's operations go through the same stack as everything else.
   void post(op* o) noexcept { publish(o, o); }
 
+  // --- Work that must run on the executor thread (the ring's issuer, when deferred). ---
+
+  // Runs f() on the executor thread and returns what it returned (0 or -errno); the calling thread
+  // waits. On the executor thread itself it runs at once.
+  template <class F>
+  int on_executor(F f) {
+    if (exec_.on_executor_thread()) return f();
+    op* o = op::make(op_kind::call);
+    o->call = [](void* fn) noexcept { return (*static_cast<F*>(fn))(); };
+    o->call_argument = &f;
+    transfer t = attach(o);
+    publish(o, o);
+    (void)t.wait();
+    return t.state() == transfer_state::success ? 0 : -t.error().value();
+  }
+
+  std::size_t run_calls() noexcept {
+    std::size_t n = 0;
+    while (op* o = calls_.pop()) {
+      const int r = o->call(o->call_argument);
+      finish(o, r < 0 ? transfer_state::failed : transfer_state::success,
+             r < 0 ? detail::system_error_code(-r) : std::error_code{});
+      ++n;
+    }
+    return n;
+  }
+
+  // Whether the kernel holds completions it will hand over at the executor's next io_uring_enter.
+  [[nodiscard]] bool completions_due() const noexcept {
+    return deferred_ && (__atomic_load_n(ring_.sq.kflags, __ATOMIC_ACQUIRE) & IORING_SQ_TASKRUN) != 0;
+  }
+
+  // Cancels everything in flight and waits for every completion, on the only thread that may: the
+  // executor when deferred, else the destructor's (once the executor no longer polls the ring).
+  // Completing an operation may resume a continuation inline here, which may submit more: that is
+  // taken (and refused) each time round, until nothing is queued or in flight.
+  void shut_down() noexcept {
+    shutting_down_ = true;
+    for (;;) {
+      take_incoming();
+      run_calls();
+      fail_backlogs();
+      if (in_flight_.empty() && cancels_in_flight_ == 0 && incoming_.empty()) break;
+      // One cancel per operation, as CQ room allows (every kernel has these; CANCEL_ANY is 5.19+).
+      for (op* o : in_flight_) {
+        if (o->cancelled_at_shutdown) continue;
+        if (in_flight_.size() + cancels_in_flight_ >= limit_) break;
+        io_uring_sqe* sqe = next_sqe();
+        if (sqe == nullptr) break;
+        ::io_uring_prep_cancel64(sqe, reinterpret_cast<std::uintptr_t>(o), 0);
+        ::io_uring_sqe_set_data64(sqe, 0);
+        o->cancel_requested = true;
+        o->cancelled_at_shutdown = true;
+        ++cancels_in_flight_;
+      }
+      flush();
+      if (in_flight_.empty() && cancels_in_flight_ == 0) continue;
+      // Submits again what flush() could not hand over (the kernel was short of memory) in the
+      // same call that waits, so that the wait is never for a cancel the kernel does not have.
+      io_uring_cqe* cqe = nullptr;
+      int r = ::io_uring_submit_and_wait(&ring_, 1);
+      if (r >= 0) r = ::io_uring_peek_cqe(&ring_, &cqe);
+      if (r == -EINTR || r == -EAGAIN || r == -EBUSY) continue;
+      if (r < 0) {
+        // The kernel may still write into buffers it holds; returning would free them under it.
+        std::fprintf(stderr,
+                     "ferry: uring::ring destroyed but waiting for its completions failed (%s)\n",
+                     std::strerror(-r));
+        std::abort();
+      }
+      const std::uint64_t data = cqe->user_data;
+      const int res = cqe->res;
+      ::io_uring_cqe_seen(&ring_, cqe);
+      if (data == 0) {
+        --cancels_in_flight_;
+      } else {
+        on_completion(reinterpret_cast<detail::op*>(data), res);
+      }
+    }
+  }
+
+  void close_ring() noexcept {
+    ::io_uring_queue_exit(&ring_);
+    if (due_fd_ >= 0) ::close(due_fd_);
+    due_fd_ = -1;
+  }
+
   progress_executor& exec_;
   io_uring ring_{};
   unsigned limit_ = 0;
   unsigned submit_batch_ = 2;
+  bool deferred_ = false;  // SINGLE_ISSUER | DEFER_TASKRUN, the executor thread the issuer
+  int due_fd_ = -1;        // deferred: the eventfd the kernel signals when completions are due
+  bool signalling_ = false;  // deferred: due_fd_ switched on, for a park
 
   // Submitters push here; the executor takes the whole stack at once.
   ferry::detail::submission_stack<op> incoming_;
@@ -1484,6 +1629,7 @@ class ring {
   detail::op_queue send_backlog_;
   detail::op_queue receive_backlog_;
   detail::op_queue cancel_backlog_;
+  detail::op_queue calls_;  // on_executor() calls taken, run at the end of the round
   bool shutting_down_ = false;
   std::uint64_t tickets_ = 0;  // handed out in backlog arrival order
 
