@@ -34,10 +34,11 @@
 // Task work. By default (Linux 6.1 on) the ring is set up SINGLE_ISSUER | DEFER_TASKRUN with the
 // executor thread as its one issuer: the kernel finishes completions only inside the executor's own
 // io_uring_enter calls, never by interrupting it, and needs no cross-CPU wake-ups to do so. That
-// ties every call into the ring to that thread, so registrations and the destructor's final wait
-// run there too (the calling thread waits for them), and the executor parks on an eventfd the
-// kernel signals when completions are due. On an older kernel the ring silently falls back to the
-// plain set-up (`defers_task_work()` tells).
+// ties every call into the ring to that thread: registrations run there (the calling thread waits
+// for them), the executor cancels and collects what the ring still holds when it is destroyed (in
+// its ordinary rounds, while the destructor's thread waits), and it parks on an eventfd the kernel
+// signals when completions are due. On an older kernel the ring silently falls back to the plain
+// set-up (`defers_task_work()` tells), whose destructor does that work on its own thread.
 
 #include <liburing.h>
 
@@ -53,6 +54,7 @@
 #include <stdexcept>
 #include <string>
 #include <system_error>
+#include <utility>
 #include <vector>
 
 #include <sys/eventfd.h>
@@ -149,7 +151,9 @@ namespace detail {
 
 using ferry::detail::status_block;
 
-enum class op_kind : std::uint8_t { read, write, readv, writev, send, receive, cancel, detach, call };
+enum class op_kind : std::uint8_t {
+  read, write, readv, writev, send, receive, cancel, detach, call, shutdown
+};
 
 // The wire header of one framed block.
 struct frame_header {
@@ -305,6 +309,9 @@ class ring {
     }
     // The kernel's own limit (IORING_MAX_ENTRIES), so that twice it still fits in 32 bits.
     const unsigned entries = std::min(options.entries, 32768u);
+    // Made now, so that the destructor cannot fail for want of memory.
+    closing_op_ = op::make(op_kind::shutdown);
+    closed_ = attach(closing_op_);
     // Newest set-up first; each fallback drops what an older kernel refuses with EINVAL (deferred
     // task work: 6.1; SUBMIT_ALL: 5.18). ferry depends on neither.
     constexpr unsigned plain = IORING_SETUP_CLAMP | IORING_SETUP_CQSIZE;
@@ -322,6 +329,7 @@ class ring {
       if (r != -EINVAL) break;
     }
     if (r < 0) {
+      release_closing_op();
       throw std::system_error(-r, std::system_category(),
                               "ferry::uring::ring: io_uring_queue_init_params(" +
                                   std::to_string(options.entries) + " entries)");
@@ -351,6 +359,7 @@ class ring {
       exec_.add_source(*this);
     } catch (...) {
       close_ring();
+      release_closing_op();
       throw;
     }
     if (deferred_) {
@@ -366,11 +375,13 @@ class ring {
       } catch (...) {
         exec_.remove_source(*this);
         close_ring();
+        release_closing_op();
         throw;
       }
       if (e < 0) {
         exec_.remove_source(*this);
         close_ring();
+        release_closing_op();
         throw std::system_error(-e, std::system_category(),
                                 "ferry::uring::ring: enabling the ring on the executor thread");
       }
@@ -384,6 +395,14 @@ class ring {
   // completions awaited, so no buffer is written after this returns. Operations not yet given to
   // the kernel fail with errc::backend_shut_down. Every tcp_connection on this ring must be gone.
   ~ring() {
+    if (exec_.on_executor_thread()) {
+      // A continuation resumed inline may be inside this ring's own poll() (reap() holding taken
+      // completions): nothing here could finish safely.
+      std::fprintf(stderr,
+                   "ferry: uring::ring destroyed on its progress executor's thread, from a "
+                   "continuation resumed inline; destroy it from another thread\n");
+      std::abort();
+    }
     if (connections_.load(std::memory_order_acquire) != 0) {
       std::fprintf(stderr,
                    "ferry: uring::ring destroyed with %d tcp_connection(s) still open on it; "
@@ -392,16 +411,20 @@ class ring {
       std::abort();
     }
     if (deferred_) {
-      // Only the issuer may wait for this ring's completions: the executor shuts it down in one of
-      // its rounds, after which its polls find nothing to do.
-      (void)on_executor([this]() noexcept {
-        shut_down();
-        return 0;
-      });
+      // Only the issuer may wait for this ring's completions. The executor cancels what is in
+      // flight and finishes it in its ordinary rounds, serving its other sources meanwhile; this
+      // thread waits until nothing is left.
+      op* o = std::exchange(closing_op_, nullptr);
+      publish(o, o);
+      (void)closed_.wait();
       exec_.remove_source(*this);
+      // Anything published after the executor's last look: refused (no kernel call is made).
+      take_incoming();
+      run_calls();
     } else {
       exec_.remove_source(*this);
       shut_down();
+      release_closing_op();
     }
     while (connections_head_ != nullptr) unlist(connections_head_);
     close_ring();
@@ -559,6 +582,7 @@ class ring {
       flush();
     }
     handled += run_calls();
+    if (closing_ != nullptr) go_on_closing();
     // SQEs the kernel did not take (it was short of memory) must be retried, not slept on.
     return handled + (::io_uring_sq_ready(&ring_) != 0 ? 1 : 0);
   }
@@ -568,9 +592,12 @@ class ring {
   // Before the executor sleeps on due_fd_. The kernel signals it only while it is switched on
   // (signalling costs a wake-up call in the kernel per completion run), and only when the first of
   // a run of deferred completions is queued, which may have come before the switch. So: switch it
-  // on, clear it, then look again. The kernel sets IORING_SQ_TASKRUN, then reads the switch; this
-  // thread sets the switch, then reads the flag; each has a full barrier between, so at least one
-  // sees the other: either the look below finds the work, or the kernel signals.
+  // on, clear it, then enter the kernel to run whatever it deferred, and look at the CQ. The kernel
+  // queues work with a fully ordered exchange on its list, then reads the switch; this thread
+  // writes the switch, then (barrier, system call) reads that list: on any CPU at least one sees
+  // the other, so either the work shows in the CQ now or the kernel signals. (Reading the
+  // IORING_SQ_TASKRUN flag instead would not be ordered on arm64, and the flag can be left set
+  // with nothing queued.)
   bool arm() noexcept {
     if (!deferred_) return true;
     ::io_uring_cq_eventfd_toggle(&ring_, true);
@@ -578,7 +605,8 @@ class ring {
     ferry::detail::full_barrier();
     std::uint64_t count = 0;
     [[maybe_unused]] const ssize_t n = ::read(due_fd_, &count, sizeof count);
-    return !completions_due() && ::io_uring_cq_ready(&ring_) == 0;
+    (void)::io_uring_get_events(&ring_);
+    return ::io_uring_cq_ready(&ring_) == 0;
   }
 
  private:
@@ -743,6 +771,10 @@ class ring {
       case op_kind::call:
         // Run by poll() once this round's completions are handled, never from inside reap().
         calls_.push(o);
+        return;
+      case op_kind::shutdown:
+        shutting_down_ = true;
+        closing_ = o;
         return;
       default:
         start(o);
@@ -938,6 +970,7 @@ class ring {
         return;
       case op_kind::detach:  // routed before it could reach here
       case op_kind::call:
+      case op_kind::shutdown:
         ::io_uring_prep_nop(sqe);
         return;
     }
@@ -1004,6 +1037,10 @@ class ring {
       // inline, which may submit more.
       ::io_uring_cq_advance(&ring_, n);
       for (unsigned i = 0; i < n; ++i) {
+        if (taken[i].data == 0) {  // a cancel made by go_on_closing()
+          --cancels_in_flight_;
+          continue;
+        }
         on_completion(reinterpret_cast<op*>(taken[i].data), taken[i].res);
         // Work submitted by a continuation resumed inline goes to the kernel now, not after the
         // rest of the batch: a device given requests early keeps more of them in flight.
@@ -1545,15 +1582,38 @@ class ring {
     return n;
   }
 
-  // Whether the kernel holds completions it will hand over at the executor's next io_uring_enter.
-  [[nodiscard]] bool completions_due() const noexcept {
-    return deferred_ && (__atomic_load_n(ring_.sq.kflags, __ATOMIC_ACQUIRE) & IORING_SQ_TASKRUN) != 0;
+  // Deferred: the executor's part of the destructor, a little each round (nothing here waits).
+  // Refuses what is queued, asks the kernel to cancel what it holds, and once every completion is
+  // back, lets the destructor go on.
+  void go_on_closing() noexcept {
+    fail_backlogs();
+    cancel_everything();
+    flush();
+    if (!in_flight_.empty() || cancels_in_flight_ != 0) return;
+    op* o = std::exchange(closing_, nullptr);
+    finish(o, transfer_state::success, {});
   }
 
-  // Cancels everything in flight and waits for every completion, on the only thread that may: the
-  // executor when deferred, else the destructor's (once the executor no longer polls the ring).
-  // Completing an operation may resume a continuation inline here, which may submit more: that is
-  // taken (and refused) each time round, until nothing is queued or in flight.
+  // One cancel per operation the kernel holds, as CQ room allows (every kernel has these;
+  // CANCEL_ANY is 5.19+). Their completions carry user data 0.
+  void cancel_everything() noexcept {
+    for (op* o : in_flight_) {
+      if (o->cancelled_at_shutdown) continue;
+      if (in_flight_.size() + cancels_in_flight_ >= limit_) break;
+      io_uring_sqe* sqe = next_sqe();
+      if (sqe == nullptr) break;
+      ::io_uring_prep_cancel64(sqe, reinterpret_cast<std::uintptr_t>(o), 0);
+      ::io_uring_sqe_set_data64(sqe, 0);
+      o->cancel_requested = true;
+      o->cancelled_at_shutdown = true;
+      ++cancels_in_flight_;
+    }
+  }
+
+  // The plain set-up's destructor, once the executor no longer polls the ring: cancels everything
+  // in flight and waits for every completion on this thread. Completing an operation may resume a
+  // continuation inline here, which may submit more: that is taken (and refused) each time round,
+  // until nothing is queued or in flight.
   void shut_down() noexcept {
     shutting_down_ = true;
     for (;;) {
@@ -1561,18 +1621,7 @@ class ring {
       run_calls();
       fail_backlogs();
       if (in_flight_.empty() && cancels_in_flight_ == 0 && incoming_.empty()) break;
-      // One cancel per operation, as CQ room allows (every kernel has these; CANCEL_ANY is 5.19+).
-      for (op* o : in_flight_) {
-        if (o->cancelled_at_shutdown) continue;
-        if (in_flight_.size() + cancels_in_flight_ >= limit_) break;
-        io_uring_sqe* sqe = next_sqe();
-        if (sqe == nullptr) break;
-        ::io_uring_prep_cancel64(sqe, reinterpret_cast<std::uintptr_t>(o), 0);
-        ::io_uring_sqe_set_data64(sqe, 0);
-        o->cancel_requested = true;
-        o->cancelled_at_shutdown = true;
-        ++cancels_in_flight_;
-      }
+      cancel_everything();
       flush();
       if (in_flight_.empty() && cancels_in_flight_ == 0) continue;
       // Submits again what flush() could not hand over (the kernel was short of memory) in the
@@ -1597,6 +1646,11 @@ class ring {
         on_completion(reinterpret_cast<detail::op*>(data), res);
       }
     }
+  }
+
+  // The destructor's op, when the destructor does not need it (or the constructor failed).
+  void release_closing_op() noexcept {
+    if (op* o = std::exchange(closing_op_, nullptr)) finish(o, transfer_state::success, {});
   }
 
   void close_ring() noexcept {
@@ -1630,6 +1684,9 @@ class ring {
   detail::op_queue receive_backlog_;
   detail::op_queue cancel_backlog_;
   detail::op_queue calls_;  // on_executor() calls taken, run at the end of the round
+  op* closing_op_ = nullptr;  // made by the constructor for the destructor
+  transfer closed_;           // its transfer: done once the executor has finished the ring
+  op* closing_ = nullptr;     // the executor's: the destructor's op while it finishes the ring
   bool shutting_down_ = false;
   std::uint64_t tickets_ = 0;  // handed out in backlog arrival order
 
