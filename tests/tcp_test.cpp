@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <deque>
 #include <random>
 #include <thread>
 #include <vector>
@@ -815,4 +816,65 @@ TEST_CASE("tcp: sends stalled on full sockets leave room in the ring for file I/
   for (const auto& t : sends) CHECK(t.state() == transfer_state::pending);
   peers.clear();  // the peers go: every stalled send fails
   REQUIRE(ferry::drain(sends, hang_bound).pending == 0);
+}
+
+namespace {
+
+// A completion source that, when asked, holds the executor inside its poll() for a while.
+struct executor_holder {
+  std::atomic<int> hold_ms{0};
+  std::atomic<bool> holding{false};
+  std::size_t poll(std::size_t) noexcept {
+    if (const int ms = hold_ms.exchange(0)) {
+      holding = true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      holding = false;
+    }
+    return 0;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("tcp: a parking executor still finds a frame behind many receives that got part of one",
+          "[tcp][concurrency]") {
+  FERRY_REQUIRE_URING();
+  // 200 receives get 10 bytes each (the kernel retries each, posting nothing) and one gets a whole
+  // header, all while the executor is held. The kernel runs a limited number of such items per
+  // call (20 since Linux 6.13) and does not signal the rest: parking after one call would leave
+  // the frame's completion queued in the kernel, with nothing to wake the executor.
+  ferry::progress_executor exec(ferry::executor_options{.mode = ferry::progress_mode::park});
+  executor_holder holder;
+  constexpr int partial = 200;
+  std::vector<std::vector<std::byte>> bufs(partial + 1, std::vector<std::byte>(64));
+  std::vector<uring::received_block> got(partial + 1);
+  std::deque<fd_guard> peers;  // fd_guard does not move
+  {
+    uring::ring r(exec);
+    exec.add_source(holder);
+    std::vector<uring::tcp_connection> conns;
+    for (int i = 0; i <= partial; ++i) {
+      int sv[2];
+      REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
+      conns.emplace_back(r, sv[0]);
+      peers.emplace_back(sv[1]);
+    }
+    std::vector<ferry::transfer> ts;
+    for (int i = 0; i <= partial; ++i) ts.push_back(conns[i].receive(bufs[i], got[i]));
+    REQUIRE(wait_until([&] { return r.counters().submitted >= partial + 1u; }));
+    holder.hold_ms = 300;
+    exec.notify();
+    REQUIRE(wait_until([&] { return holder.holding.load(); }));
+    const char part[10] = {};
+    for (int i = 0; i < partial; ++i) REQUIRE(::write(peers[i].get(), part, sizeof part) == 10);
+    uring::detail::frame_header h;
+    h.id = 7;
+    REQUIRE(::write(peers[partial].get(), &h, sizeof h) == sizeof h);
+    REQUIRE(ts[partial].wait_for(hang_bound) == transfer_state::success);
+    CHECK(got[partial].id == 7);
+    conns.clear();
+    peers.clear();
+    CHECK(ferry::drain(ts, hang_bound).pending == 0);
+    exec.remove_source(holder);
+  }
 }

@@ -587,6 +587,19 @@ inline_task read_twice(uring::ring& r, int fd, std::span<std::byte> buf, ferry::
   second = r.read(fd, buf, uring::current_position);  // submitted from inside ~ring
 }
 
+// Reads again after every failure, up to `tries` reads: each refusal during the ring's destruction
+// resumes it, and it submits again at once. `done` is set when it has finished.
+inline_task read_until_refused(uring::ring& r, int fd, std::span<std::byte> buf, int tries,
+                               std::vector<ferry::transfer>& attempts, std::atomic<bool>& done) {
+  for (int i = 0; i < tries; ++i) {
+    const ferry::transfer t = r.read(fd, buf, uring::current_position);
+    attempts.push_back(t);
+    const transfer_state s = co_await t;
+    if (s == transfer_state::success) break;
+  }
+  done.store(true, std::memory_order_release);
+}
+
 }  // namespace
 
 TEST_CASE("uring: work submitted while the ring is being destroyed is refused, not lost",
@@ -607,6 +620,35 @@ TEST_CASE("uring: work submitted while the ring is being destroyed is refused, n
   REQUIRE(second.valid());
   CHECK(second.state() == transfer_state::failed);
   CHECK(second.error() == ferry::errc::backend_shut_down);
+}
+
+TEST_CASE("uring: a continuation that keeps submitting while the ring is destroyed has each try "
+          "refused", "[uring][concurrency]") {
+  FERRY_REQUIRE_URING();
+  for (const bool defer : {true, false}) {
+    INFO("defer_task_work = " << defer);
+    for (int round = 0; round < 50; ++round) {
+      ferry::progress_executor exec;
+      int p[2];
+      REQUIRE(::pipe2(p, O_CLOEXEC) == 0);
+      fd_guard rd(p[0]), wr(p[1]);
+      std::vector<std::byte> buf(1);
+      std::vector<ferry::transfer> attempts;
+      std::atomic<bool> done{false};
+      {
+        uring::ring r(exec, uring::ring_options{.defer_task_work = defer});
+        read_until_refused(r, rd.get(), buf, 16, attempts, done);
+        REQUIRE(wait_until([&] { return r.counters().submitted >= 1; }));
+      }
+      // The first read was cancelled; every later try was refused, and the coroutine ran out.
+      REQUIRE(done.load(std::memory_order_acquire));
+      REQUIRE(attempts.size() == 16);
+      CHECK(attempts[0].state() == transfer_state::cancelled);
+      for (std::size_t i = 1; i < attempts.size(); ++i) {
+        CHECK(attempts[i].error() == ferry::errc::backend_shut_down);
+      }
+    }
+  }
 }
 
 TEST_CASE("uring: cancels always reach the kernel, even with the ring full of reads that wait",

@@ -418,9 +418,12 @@ class ring {
       publish(o, o);
       (void)closed_.wait();
       exec_.remove_source(*this);
-      // Anything published after the executor's last look: refused (no kernel call is made).
-      take_incoming();
-      run_calls();
+      // Anything published after the executor's last look is refused here, without a call into
+      // the kernel; a continuation resumed by a refusal may publish more, so until none is left.
+      do {
+        take_incoming();
+        run_calls(true);
+      } while (!incoming_.empty());
     } else {
       exec_.remove_source(*this);
       shut_down();
@@ -596,8 +599,12 @@ class ring {
   // queues work with a fully ordered exchange on its list, then reads the switch; this thread
   // writes the switch, then (barrier, system call) reads that list: on any CPU at least one sees
   // the other, so either the work shows in the CQ now or the kernel signals. (Reading the
-  // IORING_SQ_TASKRUN flag instead would not be ordered on arm64, and the flag can be left set
-  // with nothing queued.)
+  // IORING_SQ_TASKRUN flag alone would not be ordered on arm64.)
+  // One call runs a limited number of items (20 since Linux 6.13) and keeps the rest, unsignalled,
+  // with IORING_SQ_TASKRUN set again; items that post nothing (a socket receive that got part of
+  // its bytes and waits again) can fill every call. So: go on while the flag says work is left,
+  // up to a bound that covers everything in flight, since the flag can also be left set with
+  // nothing queued, and a stale flag must not keep the executor awake.
   bool arm() noexcept {
     if (!deferred_) return true;
     ::io_uring_cq_eventfd_toggle(&ring_, true);
@@ -605,8 +612,12 @@ class ring {
     ferry::detail::full_barrier();
     std::uint64_t count = 0;
     [[maybe_unused]] const ssize_t n = ::read(due_fd_, &count, sizeof count);
-    (void)::io_uring_get_events(&ring_);
-    return ::io_uring_cq_ready(&ring_) == 0;
+    for (unsigned i = 0; i < limit_ / 16 + 2; ++i) {
+      (void)::io_uring_get_events(&ring_);
+      if (::io_uring_cq_ready(&ring_) != 0) return false;
+      if ((__atomic_load_n(ring_.sq.kflags, __ATOMIC_ACQUIRE) & IORING_SQ_TASKRUN) == 0) break;
+    }
+    return true;
   }
 
  private:
@@ -775,6 +786,7 @@ class ring {
       case op_kind::shutdown:
         shutting_down_ = true;
         closing_ = o;
+        fail_backlogs();  // before any pump() of this round could hand them to the kernel
         return;
       default:
         start(o);
@@ -1571,9 +1583,15 @@ class ring {
     return t.state() == transfer_state::success ? 0 : -t.error().value();
   }
 
-  std::size_t run_calls() noexcept {
+  // `refuse`: the ring is gone from the executor, and the kernel would refuse the call here.
+  std::size_t run_calls(bool refuse = false) noexcept {
     std::size_t n = 0;
     while (op* o = calls_.pop()) {
+      if (refuse) {
+        finish(o, transfer_state::failed, make_error_code(errc::backend_shut_down));
+        ++n;
+        continue;
+      }
       const int r = o->call(o->call_argument);
       finish(o, r < 0 ? transfer_state::failed : transfer_state::success,
              r < 0 ? detail::system_error_code(-r) : std::error_code{});
@@ -1586,10 +1604,13 @@ class ring {
   // Refuses what is queued, asks the kernel to cancel what it holds, and once every completion is
   // back, lets the destructor go on.
   void go_on_closing() noexcept {
+    // Refusals resume continuations inline, which may publish more: refused here, on this thread,
+    // before the destructor goes on.
+    if (!incoming_.empty()) take_incoming();
     fail_backlogs();
     cancel_everything();
     flush();
-    if (!in_flight_.empty() || cancels_in_flight_ != 0) return;
+    if (!in_flight_.empty() || cancels_in_flight_ != 0 || !incoming_.empty()) return;
     op* o = std::exchange(closing_, nullptr);
     finish(o, transfer_state::success, {});
   }
