@@ -323,3 +323,32 @@ TEST_CASE("verbs: stress: continuations resumed inline submit and close from ins
   CHECK(a_in_order == 500);
   CHECK(b_in_order == 500);
 }
+
+TEST_CASE("verbs: a deadline that takes a queue pair down while a wait on it expires in the same "
+          "round", "[verbs]") {
+  // Both deadlines fire in one timer round. Taking the queue pair down for the WRITE ends the
+  // notification wait too; that wait, still further down the round's list of expired requests,
+  // must not be ended a second time (the ASan build sees the freed request otherwise).
+  fv::queue_pair_options o;
+  o.flush_timeout = 20ms;
+  rig r(o);
+  paused_fabric pause;
+  for (int i = 0; i < 20; ++i) {
+    std::uint64_t value = 0;
+    transfer write = r.a_qp->write(r.a_mem->slice(0, 64), r.b_mem->remote().slice(0, 64), 30ms);
+    transfer wait = r.a_qp->receive_notification(value, 30ms);
+    REQUIRE(wait.wait_for(hang_bound) == transfer_state::failed);
+    REQUIRE(write.wait_for(hang_bound) == transfer_state::failed);
+    CHECK(write.error() == fv::errc::deadline_exceeded);
+    // Its own deadline, or (had the two fired in different rounds) the queue pair going down.
+    CHECK((wait.error() == fv::errc::deadline_exceeded ||
+           wait.error() == fv::errc::queue_pair_timed_out));
+    // The queue pair is down: a fresh pair for the next round.
+    r.a_qp.reset();
+    r.b_qp.reset();
+    r.a_qp = std::make_unique<queue_pair>(*r.a, o);
+    r.b_qp = std::make_unique<queue_pair>(*r.b, o);
+    r.a_qp->connect(r.b_qp->local_info());
+    r.b_qp->connect(r.a_qp->local_info());
+  }
+}

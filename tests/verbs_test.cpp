@@ -197,6 +197,7 @@ TEST_CASE("verbs: a fatal queue pair event fails 1000 transfers in flight, none 
           "[verbs]") {
   fv::queue_pair_options o;
   o.send_depth = 1024;
+  o.flush_timeout = 100ms;  // paused, the adapter flushes nothing: the wait for it gives up
   rig r(o);
   std::vector<transfer> in_flight;
   {
@@ -205,7 +206,7 @@ TEST_CASE("verbs: a fatal queue pair event fails 1000 transfers in flight, none 
     REQUIRE(ferry_test::wait_until([&] { return r.a->counters().work_requests_posted >= 1000; }));
     const auto start = ferry_test::clock_type::now();
     fabric::instance().inject_qp_fatal(r.a_qp->native_handle());
-    // Failed by the event itself, while the adapter is still paused: no completion is needed.
+    // Failed while the adapter is still paused: no completion is needed.
     REQUIRE(all_end(in_flight, transfer_state::failed));
     CHECK(ferry_test::ms_since(start) < 5000);
     for (const transfer& t : in_flight) CHECK(t.error() == fv::errc::queue_pair_fatal);
@@ -270,25 +271,52 @@ TEST_CASE("verbs: a queue pair never has more RDMA READs out than its peer accep
   CHECK(has_pattern(r.a_mem->bytes().first(16 * 64), 3));
 }
 
-TEST_CASE("verbs: a request whose completion never comes fails at its deadline, memory pinned",
+TEST_CASE("verbs: a deadline takes back a request the adapter holds: its memory is free when it fails",
           "[verbs]") {
   rig r;
-  paused_fabric pause;
+  region dst = region::allocate(*r.a, 4096);
+  fill_pattern(dst.bytes(), 1);
+  fill_pattern(r.b_mem->bytes().first(4096), 2);
+  // Requests towards b wait, as behind a pulled cable; moving a queue pair to error still flushes.
+  fabric::instance().inject_port_down(r.b->native_context());
+  const auto start = ferry_test::clock_type::now();
+  transfer t = r.a_qp->read(dst.slice(0, 4096), r.b_mem->remote().slice(0, 4096), 50ms);
+  transfer behind = r.a_qp->write(r.a_mem->slice(0, 64), r.b_mem->remote().slice(8192, 64));
+  REQUIRE(t.wait_for(hang_bound) == transfer_state::failed);
+  // The adapter has flushed it: nothing holds the region, and nothing will write into it.
+  CHECK_FALSE(dst.in_use());
+  CHECK(t.error() == fv::errc::deadline_exceeded);
+  CHECK(ferry_test::ms_since(start) >= 45);
+  CHECK(ferry_test::ms_since(start) < 5000);
+  // Taking it back took the queue pair: what was behind it is flushed too, and nothing more goes.
+  REQUIRE(behind.wait_for(hang_bound) == transfer_state::failed);
+  CHECK(behind.error() == fv::errc::queue_pair_timed_out);
+  CHECK(r.a_qp->write(r.a_mem->slice(0, 8), r.b_mem->remote().slice(0, 8)).error() ==
+        fv::errc::queue_pair_timed_out);
+  CHECK(r.a->counters().flushes_overdue == 0);
+  fabric::instance().inject_port_up(r.b->native_context());
+  std::this_thread::sleep_for(20ms);
+  CHECK(has_pattern(dst.bytes(), 1));
+}
+
+TEST_CASE("verbs: an adapter that never flushes cannot hang a deadline; the memory stays pinned",
+          "[verbs]") {
+  fv::queue_pair_options o;
+  o.flush_timeout = 100ms;
+  rig r(o);
+  paused_fabric pause;  // executes, flushes and completes nothing
   const auto start = ferry_test::clock_type::now();
   transfer t = r.a_qp->write(r.a_mem->slice(0, 4096), r.b_mem->remote().slice(0, 4096), 50ms);
   REQUIRE(t.wait_for(hang_bound) == transfer_state::failed);
-  CHECK(ferry_test::ms_since(start) >= 45);
+  CHECK(ferry_test::ms_since(start) >= 145);  // the deadline, then the wait for the flush
   CHECK(ferry_test::ms_since(start) < 5000);
   CHECK(t.error() == fv::errc::deadline_exceeded);
-  // The adapter still holds the request: the region must stay registered until it hands it back.
-  std::this_thread::sleep_for(20ms);
+  CHECK(r.a->counters().flushes_overdue == 1);
+  // The adapter still holds the request: the region stays registered until it hands it back.
   CHECK(r.a_mem->in_use());
   pause.resume();
   REQUIRE(ferry_test::wait_until([&] { return !r.a_mem->in_use(); }));
-  CHECK(t.error() == fv::errc::deadline_exceeded);  // the late success changes nothing
-  // The queue pair is still usable.
-  CHECK(r.a_qp->write(r.a_mem->slice(0, 8), r.b_mem->remote().slice(0, 8)).wait_for(hang_bound) ==
-        transfer_state::success);
+  CHECK(t.error() == fv::errc::deadline_exceeded);
 }
 
 TEST_CASE("verbs: a notification arrives only after the WRITEs posted before it have landed",
@@ -422,18 +450,62 @@ TEST_CASE("verbs: bad input is refused with an error naming what was wrong", "[v
   CHECK_THROWS_AS(region::allocate(*r.a, SIZE_MAX - 100), std::length_error);
 }
 
-TEST_CASE("verbs: closing a queue pair fails what it holds and frees the memory after the flush",
+namespace {
+
+// Continues on the completing thread (the executor) and notes, at that moment, whether the region
+// is still held.
+struct inline_task {
+  struct promise_type {
+    ferry::inline_scheduler get_scheduler() const noexcept { return {}; }
+    inline_task get_return_object() noexcept { return {}; }
+    std::suspend_never initial_suspend() noexcept { return {}; }
+    std::suspend_never final_suspend() noexcept { return {}; }
+    void return_void() noexcept {}
+    void unhandled_exception() noexcept { std::terminate(); }
+  };
+};
+
+inline_task note_in_use_at_end(transfer t, const region& held, std::atomic<int>& in_use_then) {
+  (void)co_await t;
+  in_use_then.store(held.in_use() ? 1 : 0, std::memory_order_release);
+}
+
+}  // namespace
+
+TEST_CASE("verbs: closing a queue pair ends what it holds once the adapter has flushed it",
           "[verbs]") {
   rig r;
+  region src = region::allocate(*r.a, 64);
+  fabric::instance().inject_port_down(r.b->native_context());  // the WRITE waits in the adapter
+  transfer t = r.a_qp->write(src.slice(0, 64), r.b_mem->remote().slice(0, 64));
+  std::atomic<int> in_use_then{-1};
+  note_in_use_at_end(t, src, in_use_then);
+  REQUIRE(ferry_test::wait_until([&] { return r.a->counters().work_requests_posted >= 1; }));
+  r.a_qp.reset();
+  REQUIRE(t.wait_for(hang_bound) == transfer_state::failed);
+  CHECK(t.error() == fv::errc::queue_pair_closed);
+  REQUIRE(ferry_test::wait_until([&] { return in_use_then.load() != -1; }));
+  CHECK(in_use_then.load() == 0);  // it ended with its flush, not before
+  fabric::instance().inject_port_up(r.b->native_context());
+}
+
+TEST_CASE("verbs: closing a queue pair the adapter never flushes still ends what it holds",
+          "[verbs]") {
+  fv::queue_pair_options o;
+  o.flush_timeout = 100ms;
+  rig r(o);
   std::vector<transfer> in_flight;
   {
     paused_fabric pause;
     in_flight = post_writes(r, 32);
     REQUIRE(ferry_test::wait_until([&] { return r.a->counters().work_requests_posted >= 32; }));
+    const auto start = ferry_test::clock_type::now();
     r.a_qp.reset();
     REQUIRE(all_end(in_flight, transfer_state::failed));
+    CHECK(ferry_test::ms_since(start) >= 95);  // it waited for the flushes first
     for (const transfer& t : in_flight) CHECK(t.error() == fv::errc::queue_pair_closed);
     CHECK(r.a_mem->in_use());
+    CHECK(r.a->counters().flushes_overdue == 1);
   }
   REQUIRE(ferry_test::wait_until([&] { return !r.a_mem->in_use(); }));
 }

@@ -26,10 +26,15 @@
 // Failure. An error completion fails every transfer of its batch with the ibv_wc_status, and the queue
 // pair (now in the error state) fails everything queued behind it; requests already posted come back
 // flushed. A fatal asynchronous event (QP fatal, CQ error, device fatal, port down), read by a small
-// watcher thread and handled on the executor, fails at once every transfer it strands and moves the
-// queue pairs it names to the error state. A request with a deadline fails when the deadline passes;
-// its memory stays registered until the adapter hands back its completion (or the queue pair is
-// destroyed), so it is never written after it was freed.
+// watcher thread and handled on the executor, moves the queue pairs it names to the error state.
+// A request ends only when the adapter has handed it back: its completion or its flush. One whose
+// deadline passes while the adapter holds it is taken back the only way RC allows, by moving its
+// queue pair to the error state (as the kernel's ib_drain_qp does); it fails with deadline_exceeded
+// when its flush arrives, so its memory is quiescent once its transfer is terminal. A broken queue
+// pair waits for its flushes up to queue_pair_options::flush_timeout; past it (an adapter that
+// never flushes) the requests fail anyway and their regions stay registered until the flushes come
+// or the queue pair goes. After a CQ error or a fatal device event nothing can be reaped: everything
+// fails at once, likewise.
 
 #include <infiniband/verbs.h>
 
@@ -93,6 +98,12 @@ struct queue_pair_options {
   std::uint32_t max_inline_data = 64;
   std::uint8_t max_rd_atomic = 16;    // RDMA READs in flight at once, each way
   std::chrono::nanoseconds admission_timeout = std::chrono::milliseconds(100);
+  // How long a broken queue pair (deadline, close, fatal event, error completion) waits for the
+  // adapter to flush back what it holds. A request ends when its flush arrives, when the adapter
+  // no longer touches its memory; one still held after this fails anyway (its region stays
+  // registered until the flush or the queue pair's end), so that an adapter that never flushes
+  // cannot hang a wait.
+  std::chrono::nanoseconds flush_timeout = std::chrono::seconds(1);
 };
 
 // The default access of a registered region: the peer may read and write it.
@@ -144,6 +155,7 @@ struct device_counters {
   std::uint64_t post_calls = 0;  // ibv_post_send calls: doorbells
   std::uint64_t completions = 0;
   std::uint64_t async_events = 0;
+  std::uint64_t flushes_overdue = 0;  // broken queue pairs the adapter did not flush in time
 };
 
 namespace detail {
@@ -180,6 +192,7 @@ struct op_body {
   bool listed = false;       // a lead in its queue pair's list of posted units
   bool orphaned = false;     // a lead cut part-way whose tail cannot be posted: ends with its QP
   bool failed = false;       // a lead whose members have all been failed
+  bool expired = false;      // a lead whose deadline passed while the adapter held it
   std::uint32_t unit_size = 1;
   qp_state<P>* qp = nullptr;
   region_state<P>* region = nullptr;
@@ -275,6 +288,17 @@ struct receive_slot {
   ibv_recv_wr wr{};
 };
 
+// A queue pair's flush timer (queue_pair_options::flush_timeout). The node comes first, so that a
+// fired timer finds its queue pair.
+template <class P>
+struct flush_guard {
+  ferry::detail::timer_node timer;
+  qp_state<P>* qp = nullptr;
+  bool armed = false;
+  bool overdue = false;  // fired, and listed in the device's overdue_ list
+  flush_guard* overdue_next = nullptr;
+};
+
 template <class P>
 struct qp_state {
   basic_device<P>* device = nullptr;
@@ -285,6 +309,8 @@ struct qp_state {
   std::uint32_t max_inline = 0;
   std::uint8_t max_rd_atomic = 0;
   std::chrono::nanoseconds admission_timeout{};
+  std::chrono::nanoseconds flush_timeout{};
+  flush_guard<P> guard;
   // Free send-queue slots: submitters take them, the executor gives them back when a unit ends.
   alignas(64) std::atomic<std::int64_t> credits{0};
   // 0 while usable; else the verbs::errc that ended it (read by submitters to fail fast).
@@ -311,6 +337,8 @@ struct qp_state {
   qp_state* all_next = nullptr;
   qp_state* pending_next = nullptr;  // the device's queue pairs with members to post
   qp_state* doomed_next = nullptr;   // closing queue pairs to look at after a completion batch
+  qp_state* expiry_next = nullptr;
+  bool expiry_listed = false;
   bool doomed = false;
 };
 
@@ -481,10 +509,15 @@ class basic_device {
     stop_watcher();
     exec_.remove_source(*this);
     // Timers may still fire on the executor thread until cancelled; after sync() none is running.
-    for_each_qp([this](qp_state* q) { for_each_timed(q, [this](op_body* o) { cancel_timer(o); }); });
+    for_each_qp([this](qp_state* q) {
+      for_each_timed(q, [this](op_body* o) { cancel_timer(o); });
+      disarm_flush_guard(q);
+    });
     exec_.sync();
     shutting_down_ = true;
     drain_expired();
+    break_expired();
+    drain_overdue();
     take_incoming();
     const std::error_code shut = make_error_code(ferry::errc::backend_shut_down);
     for_each_qp([&](qp_state* q) {
@@ -521,6 +554,7 @@ class basic_device {
     c.post_calls = post_calls_.load(std::memory_order_relaxed);
     c.completions = completions_.load(std::memory_order_relaxed);
     c.async_events = async_events_.load(std::memory_order_relaxed);
+    c.flushes_overdue = flushes_overdue_.load(std::memory_order_relaxed);
     return c;
   }
 
@@ -529,10 +563,12 @@ class basic_device {
   std::size_t poll(std::size_t budget) noexcept {
     std::size_t handled = 0;
     if (expired_ != nullptr) handled += drain_expired();
+    if (overdue_ != nullptr) handled += drain_overdue();
     if (events_pending_.load(std::memory_order_acquire)) handled += handle_async_events();
     if (!incoming_.empty()) handled += take_incoming();
     post_all();
     const std::size_t reaped = reap(budget);
+    if (to_break_ != nullptr) break_expired();
     if (reaped != 0) post_all();
     return handled + reaped;
   }
@@ -673,6 +709,10 @@ class basic_device {
       throw std::invalid_argument(
           "ferry::verbs::queue_pair_options::receive_depth must be at least 1");
     }
+    if (o.flush_timeout < std::chrono::nanoseconds::zero()) {
+      throw std::invalid_argument(
+          "ferry::verbs::queue_pair_options::flush_timeout must not be negative");
+    }
     const std::int64_t needs = std::int64_t{o.send_depth} + o.receive_depth;
     {
       std::lock_guard lock(setup_mutex_);
@@ -704,6 +744,8 @@ class basic_device {
       s->max_inline = cap.max_inline_data;
       s->max_rd_atomic = o.max_rd_atomic;
       s->admission_timeout = o.admission_timeout;
+      s->flush_timeout = o.flush_timeout;
+      s->guard.qp = s.get();
       s->cq_reserved = needs;
       s->credits.store(s->send_depth, std::memory_order_relaxed);
 
@@ -981,11 +1023,36 @@ class basic_device {
         lead->qp->pending.remove_if([lead](op_body* m) { return m->lead == lead; });
         end_unit(lead, transfer_state::failed, late);
       } else {
-        // Its memory stays pinned until the adapter returns its completion.
-        fail_unit(lead, late);
+        // The adapter holds it, and an RC queue pair hands a request back only by flushing it: the
+        // queue pair goes to the error state (break_expired, after this round's reap), and the
+        // flush ends the unit (deadline_exceeded) once the adapter no longer touches its memory.
+        lead->expired = true;
+        qp_state* q = lead->qp;
+        if (!q->in_error && !q->expiry_listed) {
+          q->expiry_listed = true;
+          q->expiry_next = to_break_;
+          to_break_ = q;
+        }
       }
     }
     return n;
+  }
+
+  // Queue pairs with a posted unit whose deadline passed go to the error state here, after the
+  // reap (a unit whose success was already in the CQ has ended by now), and never while expired_
+  // is walked: breaking ends waiters and unposted units, which may be further down that list.
+  void break_expired() noexcept {
+    while (qp_state* q = to_break_) {
+      to_break_ = q->expiry_next;
+      q->expiry_listed = false;
+      if (q->in_error) continue;
+      for (op_body* l = q->posted_head; l != nullptr; l = l->list_next) {
+        if (l->expired) {
+          break_queue_pair(q, errc::queue_pair_timed_out);
+          break;
+        }
+      }
+    }
   }
 
   void post_all() noexcept {
@@ -1091,7 +1158,7 @@ class basic_device {
       // Only a unit's last member is signalled, and RC completes in order: every member landed.
       end_unit(lead, transfer_state::success, {});
     } else {
-      const std::error_code ec = make_error_code(static_cast<ibv_wc_status>(wc.status));
+      const std::error_code ec = failure_of(lead, wc);
       if (o == lead->last) {
         end_unit(lead, transfer_state::failed, ec);
       } else {
@@ -1101,6 +1168,20 @@ class basic_device {
       if (!q->in_error) break_queue_pair(q, errc::queue_pair_error, false);
     }
     if (q->closing) doom(q);
+  }
+
+  // What a failed completion of `lead`'s unit reports: a flush of a queue pair ferry broke reports
+  // why it broke it (its own deadline, for the request whose deadline passed); anything else, the
+  // adapter's status.
+  static std::error_code failure_of(const op_body* lead, const ibv_wc& wc) noexcept {
+    if (wc.status == IBV_WC_WR_FLUSH_ERR) {
+      if (lead->expired) return make_error_code(errc::deadline_exceeded);
+      const int b = lead->qp->broken.load(std::memory_order_relaxed);
+      if (b != 0 && b != static_cast<int>(errc::queue_pair_error)) {
+        return make_error_code(static_cast<errc>(b));
+      }
+    }
+    return make_error_code(static_cast<ibv_wc_status>(wc.status));
   }
 
   void doom(qp_state* q) noexcept {
@@ -1179,6 +1260,7 @@ class basic_device {
     qp_state* q = lead->qp;
     cancel_timer(lead);
     unlist_posted(q, lead);
+    if (q->posted_head == nullptr) disarm_flush_guard(q);
     q->credits.fetch_add(lead->unit_size, std::memory_order_release);
     for (op_body* m = lead; m != nullptr;) {
       op_body* next = m->unit_next;
@@ -1236,17 +1318,74 @@ class basic_device {
     }
     q->in_error = true;
     abandon_pending(q, ec);
-    if (why != errc::queue_pair_error) {
-      // A fatal event or a close strands what is posted (its completions may never come): end it
-      // now; the flush, if it comes, frees it later.
-      for (op_body* l = q->posted_head; l != nullptr; l = l->list_next) {
-        fail_unit(l, make_error_code(why));
-      }
-    }
+    // What is posted ends with its flush, once the adapter has let go of its memory; the guard
+    // bounds the wait for an adapter that never flushes.
+    arm_flush_guard(q);
     while (op_body* w = q->waiters.pop()) {
       cancel_timer(w);
       end_wait(w, transfer_state::failed, ec);
     }
+  }
+
+  void arm_flush_guard(qp_state* q) noexcept {
+    // The destructor ends everything itself (and a timer armed then could fire on the executor).
+    // After a CQ error nothing is reaped, and everything posted has been failed already.
+    if (shutting_down_ || cq_failed_ || q->posted_head == nullptr || q->guard.armed ||
+        q->guard.overdue) {
+      return;
+    }
+    q->guard.timer.deadline = ferry::detail::deadline_after(q->flush_timeout);
+    q->guard.timer.fire = &on_flush_overdue;
+    try {
+      exec_.timers().arm(q->guard.timer);
+    } catch (...) {
+      // No timer (out of memory): give up waiting at once, as the guard would.
+      if (give_up_flushes(q)) flushes_overdue_.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+    q->guard.armed = true;
+  }
+
+  void disarm_flush_guard(qp_state* q) noexcept {
+    // As cancel_timer: a guard that already fired is in overdue_, which poll() drains first.
+    if (q->guard.armed && exec_.timers().cancel(q->guard.timer)) q->guard.armed = false;
+  }
+
+  // Runs inside the executor's timer round: it only queues.
+  static void on_flush_overdue(ferry::detail::timer_node* t) noexcept {
+    static_assert(std::is_standard_layout_v<detail::flush_guard<P>>);
+    auto* g = reinterpret_cast<detail::flush_guard<P>*>(t);
+    basic_device* self = g->qp->device;
+    g->overdue = true;
+    g->overdue_next = self->overdue_;
+    self->overdue_ = g;
+  }
+
+  std::size_t drain_overdue() noexcept {
+    std::size_t n = 0;
+    while (detail::flush_guard<P>* g = overdue_) {
+      overdue_ = g->overdue_next;
+      g->armed = false;
+      g->overdue = false;
+      if (give_up_flushes(g->qp)) flushes_overdue_.fetch_add(1, std::memory_order_relaxed);
+      ++n;
+    }
+    return n;
+  }
+
+  // The adapter has not handed back what the broken queue pair holds: fail it now (nothing may wait
+  // for ever). Its memory stays registered until the flush comes or the queue pair goes.
+  // Returns whether it failed anything.
+  bool give_up_flushes(qp_state* q) noexcept {
+    const int b = q->broken.load(std::memory_order_relaxed);
+    const std::error_code why = make_error_code(static_cast<errc>(b != 0 ? b : 1));
+    bool any = false;
+    for (op_body* l = q->posted_head; l != nullptr; l = l->list_next) {
+      if (l->failed) continue;
+      fail_unit(l, l->expired ? make_error_code(errc::deadline_exceeded) : why);
+      any = true;
+    }
+    return any;
   }
 
   void close_now(qp_state* q) noexcept {
@@ -1273,6 +1412,18 @@ class basic_device {
       qp_state** link = &with_pending_;
       while (*link != q) link = &(*link)->pending_next;
       *link = q->pending_next;
+    }
+    if (q->expiry_listed) {
+      qp_state** link = &to_break_;
+      while (*link != q) link = &(*link)->expiry_next;
+      *link = q->expiry_next;
+    }
+    disarm_flush_guard(q);
+    if (q->guard.overdue) {
+      detail::flush_guard<P>** link = &overdue_;
+      while (*link != &q->guard) link = &(*link)->overdue_next;
+      *link = q->guard.overdue_next;
+      q->guard.overdue = false;
     }
     P::destroy_qp(q->qp);
     const std::error_code gone = make_error_code(errc::queue_pair_closed);
@@ -1322,7 +1473,12 @@ class basic_device {
     failure_.compare_exchange_strong(none, static_cast<int>(why), std::memory_order_release,
                                      std::memory_order_relaxed);
     cq_failed_ = true;
-    for_each_qp([this, why](qp_state* q) { break_queue_pair(q, why); });
+    // No completion will be reaped any more, flushes included: what is posted fails now (its memory
+    // stays registered until its queue pair goes).
+    for_each_qp([this, why](qp_state* q) {
+      break_queue_pair(q, why);
+      (void)give_up_flushes(q);
+    });
   }
 
   std::size_t handle_async_events() noexcept {
@@ -1392,6 +1548,8 @@ class basic_device {
   qp_state* with_pending_ = nullptr;
   qp_state* doomed_ = nullptr;
   op_body* expired_ = nullptr;
+  qp_state* to_break_ = nullptr;
+  detail::flush_guard<P>* overdue_ = nullptr;
   bool cq_failed_ = false;
   bool shutting_down_ = false;
 
@@ -1399,6 +1557,7 @@ class basic_device {
   std::atomic<std::uint64_t> post_calls_{0};
   std::atomic<std::uint64_t> completions_{0};
   std::atomic<std::uint64_t> async_events_{0};
+  std::atomic<std::uint64_t> flushes_overdue_{0};
 };
 
 template <class P>

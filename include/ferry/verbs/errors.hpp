@@ -24,6 +24,7 @@ enum class errc : int {
   queue_pair_closed,
   not_connected,
   handshake_failed,
+  queue_pair_timed_out,   // a request's deadline passed in the adapter: the queue pair was flushed
 };
 
 namespace detail {
@@ -87,8 +88,8 @@ class error_category_impl final : public std::error_category {
       case errc::port_down:
         return "asynchronous event IBV_EVENT_PORT_ERR: the queue pair's port went down";
       case errc::deadline_exceeded:
-        return "deadline passed before the work completion arrived (the memory stays registered "
-               "until the queue pair flushes the request)";
+        return "deadline passed before the work completion arrived (a request the adapter held was "
+               "taken back by moving its queue pair to the error state)";
       case errc::batch_exceeds_send_queue:
         return "batch has more work requests than the queue pair's send queue can ever hold";
       case errc::outside_local_region:
@@ -103,6 +104,9 @@ class error_category_impl final : public std::error_category {
         return "queue pair is not connected to a peer yet";
       case errc::handshake_failed:
         return "connection handshake over the TCP side channel failed";
+      case errc::queue_pair_timed_out:
+        return "a request's deadline passed while the adapter held it, so the queue pair was moved "
+               "to the error state to take it back; nothing more can be posted on it";
     }
     return "unknown ferry.verbs error " + std::to_string(value);
   }
