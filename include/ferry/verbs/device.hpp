@@ -1093,8 +1093,12 @@ class basic_device {
     // goes then. Without one, nothing would ever free it (the head of a unit cut here is
     // unsignalled): the queue pair cannot go on.
     if (r == ENOMEM && completion_coming(q)) return;
+    // Units the adapter never saw fail with the reason it refused them; one cut part-way ends on
+    // its flush (abandon_pending).
     const std::error_code ec(r, std::system_category());
-    for (op_body* o = q->pending.head; o != nullptr; o = o->next) fail_unit(o->lead, ec);
+    for (op_body* o = q->pending.head; o != nullptr; o = o->next) {
+      if (!o->lead->posted) fail_unit(o->lead, ec);
+    }
     break_queue_pair(q, errc::queue_pair_error);
   }
 
@@ -1278,8 +1282,9 @@ class basic_device {
 
   // Ends what has not reached the adapter. A unit cut by post_send part-way has its head in the
   // adapter: its tail is posted now, into the queue pair in the error state, so that the adapter
-  // flushes it and the flush of its last member ends the unit. If even that is refused, the unit
-  // stays until the queue pair is destroyed (which stops the adapter touching its memory).
+  // flushes it and the flush of its last member ends the unit. If even that is refused, the flush
+  // of its head fails it, and it stays until the queue pair is destroyed (which stops the adapter
+  // touching its memory). Either way it ends on a flush, never before the adapter lets go of it.
   void abandon_pending(qp_state* q, std::error_code ec) noexcept {
     while (op_body* o = q->pending.head) {
       op_body* lead = o->lead;
@@ -1288,7 +1293,6 @@ class basic_device {
         end_unit(lead, transfer_state::failed, ec);
         continue;
       }
-      fail_unit(lead, ec);
       op_body* tail = o;
       for (op_body* m = o; m != nullptr; m = m->unit_next) {
         q->pending.pop();
