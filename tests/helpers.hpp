@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <coroutine>
+#include <exception>
 #include <functional>
 #include <thread>
 #include <type_traits>
@@ -151,5 +152,18 @@ inline std::thread complete_later(ferry::completer c, std::chrono::milliseconds 
     c.complete(to, ec);
   });
 }
+
+// A fire-and-forget coroutine that continues on whichever thread completes what it awaits (the
+// executor, for transfers).
+struct inline_task {
+  struct promise_type {
+    ferry::inline_scheduler get_scheduler() const noexcept { return {}; }
+    inline_task get_return_object() noexcept { return {}; }
+    std::suspend_never initial_suspend() noexcept { return {}; }
+    std::suspend_never final_suspend() noexcept { return {}; }
+    void return_void() noexcept {}
+    void unhandled_exception() noexcept { std::terminate(); }
+  };
+};
 
 }  // namespace ferry_test

@@ -569,18 +569,6 @@ TEST_CASE("uring: destroying the ring cancels what the kernel holds and waits fo
 
 namespace {
 
-// A coroutine that continues on the completing thread.
-struct inline_task {
-  struct promise_type {
-    ferry::inline_scheduler get_scheduler() const noexcept { return {}; }
-    inline_task get_return_object() noexcept { return {}; }
-    std::suspend_never initial_suspend() noexcept { return {}; }
-    std::suspend_never final_suspend() noexcept { return {}; }
-    void return_void() noexcept {}
-    void unhandled_exception() noexcept { std::terminate(); }
-  };
-};
-
 inline_task read_twice(uring::ring& r, int fd, std::span<std::byte> buf, ferry::transfer& second) {
   const transfer_state first = co_await r.read(fd, buf, uring::current_position);
   (void)first;

@@ -454,18 +454,8 @@ namespace {
 
 // Continues on the completing thread (the executor) and notes, at that moment, whether the region
 // is still held.
-struct inline_task {
-  struct promise_type {
-    ferry::inline_scheduler get_scheduler() const noexcept { return {}; }
-    inline_task get_return_object() noexcept { return {}; }
-    std::suspend_never initial_suspend() noexcept { return {}; }
-    std::suspend_never final_suspend() noexcept { return {}; }
-    void return_void() noexcept {}
-    void unhandled_exception() noexcept { std::terminate(); }
-  };
-};
-
-inline_task note_in_use_at_end(transfer t, const region& held, std::atomic<int>& in_use_then) {
+ferry_test::inline_task note_in_use_at_end(transfer t, const region& held,
+                                           std::atomic<int>& in_use_then) {
   (void)co_await t;
   in_use_then.store(held.in_use() ? 1 : 0, std::memory_order_release);
 }
