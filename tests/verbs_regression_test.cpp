@@ -352,3 +352,44 @@ TEST_CASE("verbs: a deadline that takes a queue pair down while a wait on it exp
     r.b_qp->connect(r.a_qp->local_info());
   }
 }
+
+TEST_CASE("verbs: a request whose deadline passed with its success still in the CQ takes nothing "
+          "down", "[verbs]") {
+  // The executor reaps one completion per round here, and is held inside the first: when it goes
+  // on, the expired request's success is still in the CQ behind the others. It must end in
+  // success, and its queue pair must stay up (taking it down is for requests the adapter holds).
+  rig_options ro;
+  ro.exec.poll_budget = 1;
+  rig r(ro);
+  std::atomic<int> stage{0};
+  transfer first, second, late;
+  {
+    paused_fabric pause;
+    first = r.a_qp->write(r.a_mem->slice(0, 64), r.b_mem->remote().slice(0, 64));
+    second = r.a_qp->write(r.a_mem->slice(64, 64), r.b_mem->remote().slice(64, 64));
+    late = r.a_qp->write(r.a_mem->slice(128, 64), r.b_mem->remote().slice(128, 64), 150ms);
+    REQUIRE(ferry_test::wait_until([&] { return r.a->counters().work_requests_posted >= 3; }));
+    hold_executor(first, stage);
+  }
+  REQUIRE(ferry_test::wait_until([&] { return stage.load() == 1; }));
+  std::this_thread::sleep_for(250ms);  // the deadline passes while the success waits in the CQ
+  stage = 2;
+  REQUIRE(late.wait_for(hang_bound) == transfer_state::success);
+  REQUIRE(second.wait_for(hang_bound) == transfer_state::success);
+  std::this_thread::sleep_for(20ms);
+  CHECK_FALSE(r.a_qp->error());
+  CHECK(r.a_qp->write(r.a_mem->slice(0, 8), r.b_mem->remote().slice(0, 8)).wait_for(hang_bound) ==
+        transfer_state::success);
+}
+
+TEST_CASE("verbs: a request whose deadline passed keeps that reason when the device goes",
+          "[verbs]") {
+  auto r = std::make_unique<rig>();
+  paused_fabric pause;  // the adapter holds the WRITE and never flushes it
+  transfer t = r->a_qp->write(r->a_mem->slice(0, 64), r->b_mem->remote().slice(0, 64), 30ms);
+  REQUIRE(ferry_test::wait_until([&] { return r->a->counters().work_requests_posted >= 1; }));
+  std::this_thread::sleep_for(60ms);  // expired, waiting for its flush
+  r.reset();
+  REQUIRE(t.state() == transfer_state::failed);
+  CHECK(t.error() == fv::errc::deadline_exceeded);
+}

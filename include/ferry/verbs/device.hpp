@@ -516,13 +516,16 @@ class basic_device {
     exec_.sync();
     shutting_down_ = true;
     drain_expired();
-    break_expired();
+    while (qp_state* q = to_break_) {  // everything ends below, with the shut-down's reason
+      to_break_ = q->expiry_next;
+      q->expiry_listed = false;
+    }
     drain_overdue();
     take_incoming();
     const std::error_code shut = make_error_code(ferry::errc::backend_shut_down);
     for_each_qp([&](qp_state* q) {
       fail_everything(q, shut);
-      destroy_qp(q);
+      destroy_qp(q, shut);
     });
     qps_ = nullptr;
     with_pending_ = nullptr;
@@ -568,7 +571,8 @@ class basic_device {
     if (!incoming_.empty()) handled += take_incoming();
     post_all();
     const std::size_t reaped = reap(budget);
-    if (to_break_ != nullptr) break_expired();
+    // Only once the reap has emptied the CQ: a success still in it would end its unit next round.
+    if (to_break_ != nullptr && reaped < budget) break_expired();
     if (reaped != 0) post_all();
     return handled + reaped;
   }
@@ -1371,7 +1375,15 @@ class basic_device {
       overdue_ = g->overdue_next;
       g->armed = false;
       g->overdue = false;
-      if (give_up_flushes(g->qp)) flushes_overdue_.fetch_add(1, std::memory_order_relaxed);
+      qp_state* q = g->qp;
+      if (q->closing) {
+        // Closed, its handle gone: destroying it is the only way left to take back what the
+        // adapter holds (receives included), and it ends the requests only once it is done.
+        if (q->posted_head != nullptr) flushes_overdue_.fetch_add(1, std::memory_order_relaxed);
+        unlist_and_destroy(q, make_error_code(errc::queue_pair_closed));
+      } else if (give_up_flushes(q)) {
+        flushes_overdue_.fetch_add(1, std::memory_order_relaxed);
+      }
       ++n;
     }
     return n;
@@ -1405,13 +1417,20 @@ class basic_device {
     for (const op_body* l = q->posted_head; l != nullptr; l = l->list_next) {
       if (!l->orphaned) return;
     }
-    (q->all_prev == nullptr ? qps_ : q->all_prev->all_next) = q->all_next;
-    if (q->all_next != nullptr) q->all_next->all_prev = q->all_prev;
-    destroy_qp(q);
+    unlist_and_destroy(q);
   }
 
-  // Destroys the queue pair first (the adapter stops touching memory), then releases what it held.
-  void destroy_qp(qp_state* q) noexcept {
+  void unlist_and_destroy(qp_state* q,
+                          std::error_code ec = make_error_code(errc::queue_pair_closed)) noexcept {
+    (q->all_prev == nullptr ? qps_ : q->all_prev->all_next) = q->all_next;
+    if (q->all_next != nullptr) q->all_next->all_prev = q->all_prev;
+    destroy_qp(q, ec);
+  }
+
+  // Destroys the queue pair first (the adapter stops touching memory), then releases what it held;
+  // what was still posted ends with `ec` (deadline_exceeded for a request whose deadline passed).
+  void destroy_qp(qp_state* q,
+                  std::error_code ec = make_error_code(errc::queue_pair_closed)) noexcept {
     if (q->listed_pending) {
       qp_state** link = &with_pending_;
       while (*link != q) link = &(*link)->pending_next;
@@ -1430,8 +1449,9 @@ class basic_device {
       q->guard.overdue = false;
     }
     P::destroy_qp(q->qp);
-    const std::error_code gone = make_error_code(errc::queue_pair_closed);
-    while (op_body* l = q->posted_head) end_unit(l, transfer_state::failed, gone);
+    while (op_body* l = q->posted_head) {
+      end_unit(l, transfer_state::failed, l->expired ? make_error_code(errc::deadline_exceeded) : ec);
+    }
     if (q->slots_mr) P::dereg_mr(q->slots_mr);
     {
       std::lock_guard lock(setup_mutex_);
@@ -1441,9 +1461,9 @@ class basic_device {
     delete q;
   }
 
-  // The destructor's: the queue pair is destroyed next, which ends whatever is still posted.
+  // The destructor's: what never reached the adapter. The queue pair is destroyed next, which ends
+  // what is posted, once the adapter can no longer touch it.
   void fail_everything(qp_state* q, std::error_code ec) noexcept {
-    for (op_body* l = q->posted_head; l != nullptr; l = l->list_next) fail_unit(l, ec);
     while (op_body* o = q->pending.head) {
       op_body* lead = o->lead;
       q->pending.remove_if([lead](op_body* m) { return m->lead == lead; });
