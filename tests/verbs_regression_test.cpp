@@ -393,3 +393,56 @@ TEST_CASE("verbs: a request whose deadline passed keeps that reason when the dev
   REQUIRE(t.state() == transfer_state::failed);
   CHECK(t.error() == fv::errc::deadline_exceeded);
 }
+
+namespace {
+
+// The fake adapter, except that while `refuse_naming_none` is set, post_send fails with EINVAL and
+// a bad_wr that names no request of the chain, having taken the whole chain (`takes_chain`) or
+// none of it.
+std::atomic<bool> refuse_naming_none{false};
+std::atomic<bool> takes_chain{false};
+
+struct vague_provider : fv::fake::provider {
+  static int post_send(qp_handle qp, ibv_send_wr* wr, ibv_send_wr** bad) noexcept {
+    if (!refuse_naming_none.load()) return fv::fake::provider::post_send(qp, wr, bad);
+    if (takes_chain.load()) (void)fv::fake::provider::post_send(qp, wr, bad);
+    *bad = nullptr;
+    return EINVAL;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("verbs: a post refused without naming a request never leaves a transfer pending",
+          "[verbs]") {
+  for (const bool taken : {false, true}) {
+    INFO("the adapter took the chain: " << taken);
+    using vdevice = fv::basic_device<vague_provider>;
+    using vregion = fv::basic_memory_region<vague_provider>;
+    using vqp = fv::basic_queue_pair<vague_provider>;
+    ferry::progress_executor exec;
+    vdevice a(exec, fv::device_options{fresh_device("vague_a"), 1, 0, 4096});
+    vdevice b(exec, fv::device_options{fresh_device("vague_b"), 1, 0, 4096});
+    std::vector<transfer> ts;
+    {
+      vregion a_mem = vregion::allocate(a, 1 << 16);
+      vregion b_mem = vregion::allocate(b, 1 << 16);
+      fv::queue_pair_options o;
+      o.flush_timeout = 100ms;
+      vqp a_qp(a, o);
+      vqp b_qp(b, o);
+      a_qp.connect(b_qp.local_info());
+      b_qp.connect(a_qp.local_info());
+      takes_chain = taken;
+      refuse_naming_none = true;
+      for (std::size_t i = 0; i < 8; ++i) {
+        ts.push_back(a_qp.write(a_mem.slice(i * 64, 64), b_mem.remote().slice(i * 64, 64)));
+      }
+      for (const transfer& t : ts) REQUIRE(t.wait_for(hang_bound) != transfer_state::pending);
+      refuse_naming_none = false;
+      // The queue pair went down: nothing is accepted after such a refusal.
+      CHECK(a_qp.write(a_mem.slice(0, 8), b_mem.remote().slice(0, 8)).wait_for(hang_bound) ==
+            transfer_state::failed);
+    }
+  }
+}

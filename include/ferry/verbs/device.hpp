@@ -1092,7 +1092,13 @@ class basic_device {
       if (o == o->lead) list_posted(q, o);
     }
     posted_.fetch_add(posted, std::memory_order_relaxed);
-    if (r == 0 || q->pending.empty()) return;
+    if (r == 0) return;
+    if (q->pending.empty()) {
+      // Refused, naming no request of the chain (bad_wr outside it): which ones the adapter took is
+      // unknown, so all count as posted and the queue pair goes down. The adapter flushes what it
+      // has; the flush timeout ends what it never had.
+      return break_queue_pair(q, errc::queue_pair_error);
+    }
     // ENOMEM while whole units are in flight: their signalled completions free room, and the rest
     // goes then. Without one, nothing would ever free it (the head of a unit cut here is
     // unsignalled): the queue pair cannot go on.
