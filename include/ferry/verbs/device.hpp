@@ -1354,7 +1354,7 @@ class basic_device {
       exec_.timers().arm(q->guard.timer);
     } catch (...) {
       // No timer (out of memory): give up waiting at once, as the guard would.
-      if (give_up_flushes(q)) flushes_overdue_.fetch_add(1, std::memory_order_relaxed);
+      give_up_flushes(q);
       return;
     }
     q->guard.armed = true;
@@ -1387,8 +1387,8 @@ class basic_device {
         // adapter holds (receives included), and it ends the requests only once it is done.
         if (q->posted_head != nullptr) flushes_overdue_.fetch_add(1, std::memory_order_relaxed);
         unlist_and_destroy(q, make_error_code(errc::queue_pair_closed));
-      } else if (give_up_flushes(q)) {
-        flushes_overdue_.fetch_add(1, std::memory_order_relaxed);
+      } else {
+        give_up_flushes(q);
       }
       ++n;
     }
@@ -1397,17 +1397,18 @@ class basic_device {
 
   // The adapter has not handed back what the broken queue pair holds: fail it now (nothing may wait
   // for ever). Its memory stays registered until the flush comes or the queue pair goes.
-  // Returns whether it failed anything.
-  bool give_up_flushes(qp_state* q) noexcept {
+  // `overdue`: the flush timeout ran out (counted when anything is failed, first, so that a waiter
+  // woken here sees the count), rather than the CQ or the device failing.
+  void give_up_flushes(qp_state* q, bool overdue = true) noexcept {
+    const op_body* first = q->posted_head;
+    while (first != nullptr && first->failed) first = first->list_next;
+    if (first == nullptr) return;
+    if (overdue) flushes_overdue_.fetch_add(1, std::memory_order_relaxed);
     const int b = q->broken.load(std::memory_order_relaxed);
     const std::error_code why = make_error_code(static_cast<errc>(b != 0 ? b : 1));
-    bool any = false;
     for (op_body* l = q->posted_head; l != nullptr; l = l->list_next) {
-      if (l->failed) continue;
       fail_unit(l, l->expired ? make_error_code(errc::deadline_exceeded) : why);
-      any = true;
     }
-    return any;
   }
 
   void close_now(qp_state* q) noexcept {
@@ -1507,7 +1508,7 @@ class basic_device {
     // stays registered until its queue pair goes).
     for_each_qp([this, why](qp_state* q) {
       break_queue_pair(q, why);
-      (void)give_up_flushes(q);
+      give_up_flushes(q, false);
     });
   }
 
