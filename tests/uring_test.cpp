@@ -470,11 +470,10 @@ TEST_CASE("uring: both ring set-ups, deferred completions and plain, serve every
     INFO("defer_task_work = " << defer);
     ferry::progress_executor exec(ferry::executor_options{.mode = ferry::progress_mode::park});
     temp_dir dir;
-    fd_guard fd(::open(dir.file("both").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
-    REQUIRE(fd.get() >= 0);
-    int p[2];
-    REQUIRE(::pipe2(p, O_CLOEXEC) == 0);
-    fd_guard rd(p[0]), wr(p[1]);
+    fd_guard fd(open_file(dir.file("both")));
+    pipe_set pipe(1);
+    fd_guard& rd = pipe.read_ends[0];
+    fd_guard& wr = pipe.write_ends[0];
     std::vector<ferry::transfer> stranded;
     uring::aligned_buffer arena(8192);
     std::vector<std::byte> buf(5);
@@ -519,9 +518,9 @@ TEST_CASE("uring: stress: a parking executor misses no completion the kernel def
   std::vector<std::byte> buf(1);  // before the ring, which may still read into it when it goes
   ferry::progress_executor exec(ferry::executor_options{.mode = ferry::progress_mode::park});
   uring::ring r(exec);
-  int p[2];
-  REQUIRE(::pipe2(p, O_CLOEXEC) == 0);
-  fd_guard rd(p[0]), wr(p[1]);
+  pipe_set pipe(1);
+  fd_guard& rd = pipe.read_ends[0];
+  fd_guard& wr = pipe.write_ends[0];
   std::mt19937 rng(7);
   for (int i = 0; i < 30000; ++i) {
     ferry::transfer t = r.read(rd.get(), buf, uring::current_position);
@@ -617,9 +616,8 @@ TEST_CASE("uring: a continuation that keeps submitting while the ring is destroy
     INFO("defer_task_work = " << defer);
     for (int round = 0; round < 50; ++round) {
       ferry::progress_executor exec;
-      int p[2];
-      REQUIRE(::pipe2(p, O_CLOEXEC) == 0);
-      fd_guard rd(p[0]), wr(p[1]);
+      pipe_set pipe(1);
+      fd_guard& rd = pipe.read_ends[0];
       std::vector<std::byte> buf(1);
       std::vector<ferry::transfer> attempts;
       std::atomic<bool> done{false};
