@@ -300,7 +300,8 @@ class load_tracker {
 
   // Hands back every sealed request whose transfers are all terminal, firing its release exactly
   // once, and stops tracking it. Raises transfer_error, changing nothing, if a hybrid request has
-  // failed or timed out and has not been aborted.
+  // failed or timed out and has not been aborted. If a release throws, the others are still sent and
+  // the exception propagates; the next call hands back the requests this one let go of.
   [[nodiscard]] std::vector<finished_request> take_finished(clock::time_point now = clock::now()) {
     not_from_submit("take_finished");
     // First look at everything, so that a raise leaves the tracker exactly as it was.
@@ -312,8 +313,11 @@ class load_tracker {
       raise_if_hybrid(r, a);
       if (a.pending == 0) finished_scratch_.push_back({slot, a});
     }
-    std::vector<finished_request> out;
-    out.reserve(finished_scratch_.size());
+    // Requests let go of by a call whose release threw come first: that call returned nothing.
+    std::vector<finished_request> out = std::move(not_handed_back_);
+    not_handed_back_.clear();
+    const std::size_t released_before = out.size();
+    out.reserve(released_before + finished_scratch_.size());
     for (const auto& [slot, a] : finished_scratch_) {
       request_entry& r = requests_[slot];
       if (!r.options.hybrid && !r.aborted) collect_failed_blocks(r, unclaimed_blocks_);
@@ -323,17 +327,20 @@ class load_tracker {
       free_slots_.push_back(slot);
       out.push_back(f);
     }
-    // Every release is sent even if one of them throws; the first exception then propagates.
+    // Every release is sent even if one of them throws; the first exception then propagates, and
+    // the requests this call let go of are handed back by the next call instead.
     std::exception_ptr first_error;
-    for (const finished_request& f : out) {
-      if (!release_) break;
+    for (std::size_t i = released_before; release_ && i < out.size(); ++i) {
       try {
-        release_(f.id, f.verdict);
+        release_(out[i].id, out[i].verdict);
       } catch (...) {
         if (!first_error) first_error = std::current_exception();
       }
     }
-    if (first_error) std::rethrow_exception(first_error);
+    if (first_error) {
+      not_handed_back_ = std::move(out);
+      std::rethrow_exception(first_error);
+    }
     return out;
   }
 
@@ -567,6 +574,7 @@ class load_tracker {
   std::uint64_t generations_ = 0;
   std::vector<block_id> unclaimed_blocks_;  // from requests finished before their blocks were drained
   std::vector<std::pair<std::uint32_t, assessment>> finished_scratch_;
+  std::vector<finished_request> not_handed_back_;  // let go of by a take_finished whose release threw
   bool submitting_ = false;
 };
 
