@@ -403,6 +403,76 @@ TEST_CASE("verbs: notifications wait for a taker and time out when none comes", 
   CHECK(never == 0);
 }
 
+TEST_CASE("verbs: a notification wait with no deadline fails once its peer has gone", "[verbs]") {
+  // RC tells of a dead peer only when something is sent to it; with nothing else in flight, the
+  // waiting side's peer checks are what sends.
+  fv::queue_pair_options o;
+  o.peer_check = 5ms;
+  rig r(o);
+  std::uint64_t value = 0;
+  transfer waiting = r.a_qp->receive_notification(value);
+  r.b_qp.reset();  // the peer's queue pair goes, as when its process dies
+  REQUIRE(waiting.wait_for(hang_bound) == transfer_state::failed);
+  CHECK(waiting.error() == fv::errc::peer_unreachable);
+  CHECK(r.a->counters().peer_checks >= 1);
+  CHECK(value == 0);
+  // The queue pair is down, and says why.
+  CHECK(r.a_qp->write(r.a_mem->slice(0, 8), r.b_mem->remote().slice(0, 8)).error() ==
+        fv::errc::peer_unreachable);
+  std::uint64_t later = 0;
+  CHECK(r.a_qp->receive_notification(later).wait_for(hang_bound) == transfer_state::failed);
+}
+
+TEST_CASE("verbs: peer checks of a live peer change nothing, and run only while a wait needs them",
+          "[verbs]") {
+  fv::queue_pair_options o;
+  o.peer_check = 2ms;
+  rig r(o);
+  std::uint64_t value = 0;
+  transfer waiting = r.b_qp->receive_notification(value);
+  REQUIRE(ferry_test::wait_until([&] { return r.b->counters().peer_checks >= 5; }));
+  CHECK(waiting.state() == transfer_state::pending);
+  REQUIRE(r.a_qp->send_notification(42).wait_for(hang_bound) == transfer_state::success);
+  REQUIRE(waiting.wait_for(hang_bound) == transfer_state::success);
+  CHECK(value == 42);
+  // Nobody waits now: the checks stop.
+  const std::uint64_t settled = r.b->counters().peer_checks;
+  std::this_thread::sleep_for(30ms);
+  CHECK(r.b->counters().peer_checks == settled);
+  // Both ways still work, and no check took a send-queue slot for good.
+  fill_pattern(r.b_mem->bytes().subspan(0, 4096), 3);
+  REQUIRE(r.b_qp->write(r.b_mem->slice(0, 4096), r.a_mem->remote().slice(0, 4096))
+              .wait_for(hang_bound) == transfer_state::success);
+  CHECK(has_pattern(r.a_mem->bytes().subspan(0, 4096), 3));
+  std::vector<transfer> full;
+  for (std::uint32_t i = 0; i < o.send_depth; ++i) {
+    full.push_back(r.b_qp->write(r.b_mem->slice(0, 64), r.a_mem->remote().slice(0, 64)));
+  }
+  CHECK(all_end(full, transfer_state::success));
+}
+
+TEST_CASE("verbs: no peer check goes out on a queue pair not yet connected, or with checks off",
+          "[verbs]") {
+  // An unconnected queue pair cannot post: a check there would break it instead of checking.
+  fv::queue_pair_options o;
+  o.peer_check = 1ms;
+  rig r;
+  queue_pair lonely(*r.a, o);
+  std::uint64_t value = 0;
+  transfer waiting = lonely.receive_notification(value, 50ms);
+  REQUIRE(waiting.wait_for(hang_bound) == transfer_state::failed);
+  CHECK(waiting.error() == fv::errc::deadline_exceeded);
+  // Checks off: a wait on a peer that has gone relies on its deadline alone.
+  o.peer_check = 0ns;
+  rig off(o);
+  transfer bounded = off.a_qp->receive_notification(value, 50ms);
+  off.b_qp.reset();
+  REQUIRE(bounded.wait_for(hang_bound) == transfer_state::failed);
+  CHECK(bounded.error() == fv::errc::deadline_exceeded);
+  CHECK(r.a->counters().peer_checks == 0);
+  CHECK(off.a->counters().peer_checks == 0);
+}
+
 TEST_CASE("verbs: bad input is refused with an error naming what was wrong", "[verbs]") {
   rig r;
   CHECK_THROWS_AS(r.a_mem->slice(r.a_mem->size() - 4, 8), std::out_of_range);
@@ -440,6 +510,12 @@ TEST_CASE("verbs: bad input is refused with an error naming what was wrong", "[v
   fv::queue_pair_options no_reads;
   no_reads.max_rd_atomic = 0;
   CHECK_THROWS_WITH(queue_pair(*r.a, no_reads), Catch::Contains("max_rd_atomic must be at least 1"));
+  fv::queue_pair_options backwards;
+  backwards.flush_timeout = -1ms;
+  CHECK_THROWS_WITH(queue_pair(*r.a, backwards), Catch::Contains("flush_timeout must not be negative"));
+  backwards = {};
+  backwards.peer_check = -1ms;
+  CHECK_THROWS_WITH(queue_pair(*r.a, backwards), Catch::Contains("peer_check must not be negative"));
   fv::queue_pair_options huge;
   huge.send_depth = 100000;
   CHECK_THROWS_AS(queue_pair(*r.a, huge), std::length_error);

@@ -34,7 +34,9 @@
 // pair waits for its flushes up to queue_pair_options::flush_timeout; past it (an adapter that
 // never flushes) the requests fail anyway and their regions stay registered until the flushes come
 // or the queue pair goes. After a CQ error or a fatal device event nothing can be reaped: everything
-// fails at once, likewise.
+// fails at once, likewise. RC tells of a peer that has gone only when something is sent to it, so
+// while a notification wait is queued with nothing else in flight, the queue pair checks its peer
+// with a zero-length RDMA WRITE (queue_pair_options::peer_check); its failure fails the waits.
 
 #include <infiniband/verbs.h>
 
@@ -104,6 +106,13 @@ struct queue_pair_options {
   // registered until the flush or the queue pair's end), so that an adapter that never flushes
   // cannot hang a wait.
   std::chrono::nanoseconds flush_timeout = std::chrono::seconds(1);
+  // How often a queue pair with a receive_notification waiting, and nothing else in flight, checks
+  // that its peer is still there. RC tells of a peer that has gone (its process killed, its queue
+  // pair destroyed) only when something is sent to it, so a wait for its next notification would
+  // otherwise wait for ever. The check is a zero-length RDMA WRITE, which the peer's adapter answers
+  // without its software; when it fails (IBV_WC_RETRY_EXC_ERR, once the adapter's retries run out)
+  // the waits fail with errc::peer_unreachable. Zero turns the checks off.
+  std::chrono::nanoseconds peer_check = std::chrono::seconds(1);
 };
 
 // The default access of a registered region: the peer may read and write it.
@@ -156,6 +165,7 @@ struct device_counters {
   std::uint64_t completions = 0;
   std::uint64_t async_events = 0;
   std::uint64_t flushes_overdue = 0;  // broken queue pairs the adapter did not flush in time
+  std::uint64_t peer_checks = 0;      // zero-length WRITEs posted to check a peer is still there
 };
 
 namespace detail {
@@ -177,7 +187,7 @@ struct region_state {
   void release() noexcept;
 };
 
-enum class op_kind : std::uint8_t { write, read, notify, wait_notification, open, close };
+enum class op_kind : std::uint8_t { write, read, notify, wait_notification, open, close, peer_check };
 
 template <class P>
 struct qp_state;
@@ -288,15 +298,15 @@ struct receive_slot {
   ibv_recv_wr wr{};
 };
 
-// A queue pair's flush timer (queue_pair_options::flush_timeout). The node comes first, so that a
-// fired timer finds its queue pair.
+// A queue pair's timer: its flush guard (queue_pair_options::flush_timeout) or its peer check
+// (queue_pair_options::peer_check). The node comes first, so that a fired timer finds its queue pair.
 template <class P>
-struct flush_guard {
+struct qp_timer {
   ferry::detail::timer_node timer;
   qp_state<P>* qp = nullptr;
   bool armed = false;
-  bool overdue = false;  // fired, and listed in the device's overdue_ list
-  flush_guard* overdue_next = nullptr;
+  bool fired = false;  // and listed in the device's list for it (overdue_ or checks_due_)
+  qp_timer* fired_next = nullptr;
 };
 
 template <class P>
@@ -310,7 +320,9 @@ struct qp_state {
   std::uint8_t max_rd_atomic = 0;
   std::chrono::nanoseconds admission_timeout{};
   std::chrono::nanoseconds flush_timeout{};
-  flush_guard<P> guard;
+  std::chrono::nanoseconds peer_check{};
+  qp_timer<P> guard;  // the flush timeout
+  qp_timer<P> check;  // the next peer check
   // Free send-queue slots: submitters take them, the executor gives them back when a unit ends.
   alignas(64) std::atomic<std::int64_t> credits{0};
   // 0 while usable; else the verbs::errc that ended it (read by submitters to fail fast).
@@ -341,6 +353,16 @@ struct qp_state {
   bool expiry_listed = false;
   bool doomed = false;
 };
+
+// Takes `n` free send-queue slots, or none when fewer are free.
+[[nodiscard]] inline bool take_credits(std::atomic<std::int64_t>& credits, std::int64_t n) noexcept {
+  std::int64_t have = credits.load(std::memory_order_relaxed);
+  do {
+    if (have < n) return false;
+  } while (!credits.compare_exchange_weak(have, have - n, std::memory_order_acquire,
+                                          std::memory_order_relaxed));
+  return true;
+}
 
 template <class P>
 [[nodiscard]] std::uint32_t initial_psn(const qp_state<P>* s) noexcept {
@@ -511,7 +533,8 @@ class basic_device {
     // Timers may still fire on the executor thread until cancelled; after sync() none is running.
     for_each_qp([this](qp_state* q) {
       for_each_timed(q, [this](op_body* o) { cancel_timer(o); });
-      disarm_flush_guard(q);
+      disarm(q->guard);
+      disarm(q->check);
     });
     exec_.sync();
     shutting_down_ = true;
@@ -521,6 +544,8 @@ class basic_device {
       q->expiry_listed = false;
     }
     drain_overdue();
+    while (take_fired(checks_due_) != nullptr) {
+    }
     take_incoming();
     const std::error_code shut = make_error_code(ferry::errc::backend_shut_down);
     for_each_qp([&](qp_state* q) {
@@ -558,6 +583,7 @@ class basic_device {
     c.completions = completions_.load(std::memory_order_relaxed);
     c.async_events = async_events_.load(std::memory_order_relaxed);
     c.flushes_overdue = flushes_overdue_.load(std::memory_order_relaxed);
+    c.peer_checks = peer_checks_.load(std::memory_order_relaxed);
     return c;
   }
 
@@ -567,6 +593,7 @@ class basic_device {
     std::size_t handled = 0;
     if (expired_ != nullptr) handled += drain_expired();
     if (overdue_ != nullptr) handled += drain_overdue();
+    if (checks_due_ != nullptr) handled += check_peers();
     if (events_pending_.load(std::memory_order_acquire)) handled += handle_async_events();
     if (!incoming_.empty()) handled += take_incoming();
     post_all();
@@ -599,6 +626,7 @@ class basic_device {
   using op = detail::op<P>;
   using op_kind = detail::op_kind;
   using qp_state = detail::qp_state<P>;
+  using qp_timer = detail::qp_timer<P>;
   using receive_slot = detail::receive_slot<P>;
   using region_state = detail::region_state<P>;
   using async_event = typename P::async_event;
@@ -717,6 +745,10 @@ class basic_device {
       throw std::invalid_argument(
           "ferry::verbs::queue_pair_options::flush_timeout must not be negative");
     }
+    if (o.peer_check < std::chrono::nanoseconds::zero()) {
+      throw std::invalid_argument(
+          "ferry::verbs::queue_pair_options::peer_check must not be negative");
+    }
     const std::int64_t needs = std::int64_t{o.send_depth} + o.receive_depth;
     {
       std::lock_guard lock(setup_mutex_);
@@ -749,7 +781,9 @@ class basic_device {
       s->max_rd_atomic = o.max_rd_atomic;
       s->admission_timeout = o.admission_timeout;
       s->flush_timeout = o.flush_timeout;
+      s->peer_check = o.peer_check;
       s->guard.qp = s.get();
+      s->check.qp = s.get();
       s->cq_reserved = needs;
       s->credits.store(s->send_depth, std::memory_order_relaxed);
 
@@ -949,6 +983,7 @@ class basic_device {
       case op_kind::write:
       case op_kind::read:
       case op_kind::notify:
+      case op_kind::peer_check:
         break;
     }
     if (const std::error_code ec = refusal(q); ec) return end_unit(lead, transfer_state::failed, ec);
@@ -956,6 +991,11 @@ class basic_device {
       return end_unit(lead, transfer_state::failed,
                       std::make_error_code(std::errc::not_enough_memory));
     }
+    queue_unit(q, lead);
+  }
+
+  // The unit goes out with the queue pair's next chain (post_all).
+  void queue_unit(qp_state* q, op_body* lead) noexcept {
     for (op_body* m = lead; m != nullptr; m = m->unit_next) q->pending.push(m);
     if (!q->listed_pending) {
       q->listed_pending = true;
@@ -980,6 +1020,62 @@ class basic_device {
       return end_wait(w, transfer_state::failed, std::make_error_code(std::errc::not_enough_memory));
     }
     q->waiters.push(w);
+    arm_peer_check(q);
+  }
+
+  // --- Peer checks (queue_pair_options::peer_check): while a notification wait is queued, the
+  // timer runs; when it fires with nothing else in flight, a zero-length RDMA WRITE goes out, whose
+  // failure breaks the queue pair with errc::peer_unreachable (on_completion). ---
+
+  void arm_peer_check(qp_state* q) noexcept {
+    if (q->peer_check == std::chrono::nanoseconds::zero() || shutting_down_ || q->in_error ||
+        q->check.armed || q->check.fired) {
+      return;
+    }
+    // Out of memory: no check, and a wait without a deadline relies on its peer as before.
+    (void)arm(q->check, q->peer_check, &on_peer_check_due);
+  }
+
+  static void on_peer_check_due(ferry::detail::timer_node* t) noexcept {
+    list_fired(t, &basic_device::checks_due_);
+  }
+
+  std::size_t check_peers() noexcept {
+    std::size_t n = 0;
+    while (qp_timer* c = take_fired(checks_due_)) {
+      qp_state* q = c->qp;
+      ++n;
+      if (q->in_error || q->waiters.empty()) continue;  // armed again by the next wait
+      // Anything else in flight tells of a peer that has gone as well as a check would.
+      if (q->connected.load(std::memory_order_acquire) && q->posted_head == nullptr &&
+          q->pending.empty()) {
+        post_peer_check(q);
+      }
+      arm_peer_check(q);
+    }
+    return n;
+  }
+
+  void post_peer_check(qp_state* q) noexcept {
+    // A send-queue slot like any request's; with none free, requests are in flight anyway.
+    if (!detail::take_credits(q->credits, 1)) return;
+    op_body* o = nullptr;
+    try {
+      o = op::make(op_kind::peer_check);
+      o->status = ferry::detail::status_block::make();
+    } catch (...) {
+      if (o != nullptr) op::free(o);
+      q->credits.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+    // Nobody waits for it: its handle goes at once, and end_unit releases the completer's reference.
+    { const transfer unwatched(ferry::detail::adopt, o->status); }
+    o->qp = q;
+    o->wr.wr_id = reinterpret_cast<std::uintptr_t>(o);
+    o->wr.opcode = IBV_WR_RDMA_WRITE;  // zero length: no scatter/gather entry, no rkey checked
+    o->wr.send_flags = IBV_SEND_SIGNALED;
+    queue_unit(q, o);
+    peer_checks_.fetch_add(1, std::memory_order_relaxed);
   }
 
   // Arms the deadline timer; false when it cannot (out of memory), and the caller ends the request.
@@ -1173,13 +1269,16 @@ class basic_device {
       end_unit(lead, transfer_state::success, {});
     } else {
       const std::error_code ec = failure_of(lead, wc);
+      const bool peer_gone = lead->kind == op_kind::peer_check && wc.status == IBV_WC_RETRY_EXC_ERR;
       if (o == lead->last) {
         end_unit(lead, transfer_state::failed, ec);
       } else {
         fail_unit(lead, ec);  // the flushes of the rest follow; the last one ends the unit
       }
       // The queue pair is in the error state now: nothing queued behind can succeed.
-      if (!q->in_error) break_queue_pair(q, errc::queue_pair_error, false);
+      if (!q->in_error) {
+        break_queue_pair(q, peer_gone ? errc::peer_unreachable : errc::queue_pair_error, false);
+      }
     }
     if (q->closing) doom(q);
   }
@@ -1341,46 +1440,76 @@ class basic_device {
     }
   }
 
+  // --- A queue pair's timers: fired in the executor's timer round, which only lists them (in
+  // overdue_ or checks_due_); poll() handles the lists first. ---
+
+  // False when the timer cannot be armed (out of memory).
+  bool arm(qp_timer& t, std::chrono::nanoseconds after,
+           void (*fire)(ferry::detail::timer_node*) noexcept) noexcept {
+    t.timer.deadline = ferry::detail::deadline_after(after);
+    t.timer.fire = fire;
+    try {
+      exec_.timers().arm(t.timer);
+    } catch (...) {
+      return false;
+    }
+    t.armed = true;
+    return true;
+  }
+
+  void disarm(qp_timer& t) noexcept {
+    // As cancel_timer: one that already fired is listed, and poll() drains the lists first.
+    if (t.armed && exec_.timers().cancel(t.timer)) t.armed = false;
+  }
+
+  static void list_fired(ferry::detail::timer_node* node, qp_timer* basic_device::*list) noexcept {
+    static_assert(std::is_standard_layout_v<qp_timer>);
+    auto* t = reinterpret_cast<qp_timer*>(node);
+    basic_device* self = t->qp->device;
+    t->fired = true;
+    t->fired_next = self->*list;
+    self->*list = t;
+  }
+
+  // The next fired timer of `list`, taken off it; null when there is none.
+  static qp_timer* take_fired(qp_timer*& list) noexcept {
+    qp_timer* t = list;
+    if (t == nullptr) return nullptr;
+    list = t->fired_next;
+    t->armed = false;
+    t->fired = false;
+    return t;
+  }
+
+  // For a queue pair that is going: takes its timer off `list` if it fired.
+  static void unlist_fired(qp_timer*& list, qp_timer& t) noexcept {
+    if (!t.fired) return;
+    qp_timer** link = &list;
+    while (*link != &t) link = &(*link)->fired_next;
+    *link = t.fired_next;
+    t.fired = false;
+  }
+
   void arm_flush_guard(qp_state* q) noexcept {
     // The destructor ends everything itself (and a timer armed then could fire on the executor).
     // After a CQ error nothing is reaped, and everything posted has been failed already.
     if (shutting_down_ || cq_failed_ || q->posted_head == nullptr || q->guard.armed ||
-        q->guard.overdue) {
+        q->guard.fired) {
       return;
     }
-    q->guard.timer.deadline = ferry::detail::deadline_after(q->flush_timeout);
-    q->guard.timer.fire = &on_flush_overdue;
-    try {
-      exec_.timers().arm(q->guard.timer);
-    } catch (...) {
-      // No timer (out of memory): give up waiting at once, as the guard would.
-      give_up_flushes(q);
-      return;
-    }
-    q->guard.armed = true;
+    // No timer (out of memory): give up waiting at once, as the guard would.
+    if (!arm(q->guard, q->flush_timeout, &on_flush_overdue)) give_up_flushes(q);
   }
 
-  void disarm_flush_guard(qp_state* q) noexcept {
-    // As cancel_timer: a guard that already fired is in overdue_, which poll() drains first.
-    if (q->guard.armed && exec_.timers().cancel(q->guard.timer)) q->guard.armed = false;
-  }
+  void disarm_flush_guard(qp_state* q) noexcept { disarm(q->guard); }
 
-  // Runs inside the executor's timer round: it only queues.
   static void on_flush_overdue(ferry::detail::timer_node* t) noexcept {
-    static_assert(std::is_standard_layout_v<detail::flush_guard<P>>);
-    auto* g = reinterpret_cast<detail::flush_guard<P>*>(t);
-    basic_device* self = g->qp->device;
-    g->overdue = true;
-    g->overdue_next = self->overdue_;
-    self->overdue_ = g;
+    list_fired(t, &basic_device::overdue_);
   }
 
   std::size_t drain_overdue() noexcept {
     std::size_t n = 0;
-    while (detail::flush_guard<P>* g = overdue_) {
-      overdue_ = g->overdue_next;
-      g->armed = false;
-      g->overdue = false;
+    while (qp_timer* g = take_fired(overdue_)) {
       qp_state* q = g->qp;
       if (q->closing) {
         // Closed, its handle gone: destroying it is the only way left to take back what the
@@ -1448,13 +1577,10 @@ class basic_device {
       while (*link != q) link = &(*link)->expiry_next;
       *link = q->expiry_next;
     }
-    disarm_flush_guard(q);
-    if (q->guard.overdue) {
-      detail::flush_guard<P>** link = &overdue_;
-      while (*link != &q->guard) link = &(*link)->overdue_next;
-      *link = q->guard.overdue_next;
-      q->guard.overdue = false;
-    }
+    disarm(q->guard);
+    unlist_fired(overdue_, q->guard);
+    disarm(q->check);
+    unlist_fired(checks_due_, q->check);
     P::destroy_qp(q->qp);
     while (op_body* l = q->posted_head) {
       end_unit(l, transfer_state::failed, l->expired ? make_error_code(errc::deadline_exceeded) : ec);
@@ -1580,7 +1706,8 @@ class basic_device {
   qp_state* doomed_ = nullptr;
   op_body* expired_ = nullptr;
   qp_state* to_break_ = nullptr;
-  detail::flush_guard<P>* overdue_ = nullptr;
+  qp_timer* overdue_ = nullptr;     // flush guards that fired
+  qp_timer* checks_due_ = nullptr;  // peer checks that fired
   bool cq_failed_ = false;
   bool shutting_down_ = false;
 
@@ -1589,6 +1716,7 @@ class basic_device {
   std::atomic<std::uint64_t> completions_{0};
   std::atomic<std::uint64_t> async_events_{0};
   std::atomic<std::uint64_t> flushes_overdue_{0};
+  std::atomic<std::uint64_t> peer_checks_{0};
 };
 
 template <class P>
@@ -1766,14 +1894,7 @@ class basic_queue_pair {
     return make_completed_transfer(transfer_state::failed, ec);
   }
 
-  [[nodiscard]] bool reserve(std::int64_t n) noexcept {
-    std::int64_t have = state_->credits.load(std::memory_order_relaxed);
-    do {
-      if (have < n) return false;
-    } while (!state_->credits.compare_exchange_weak(have, have - n, std::memory_order_acquire,
-                                                    std::memory_order_relaxed));
-    return true;
-  }
+  [[nodiscard]] bool reserve(std::int64_t n) noexcept { return detail::take_credits(state_->credits, n); }
 
   // Why a block cannot be posted, if it cannot.
   [[nodiscard]] std::error_code check(const rdma_block& b) const noexcept {
