@@ -446,3 +446,139 @@ TEST_CASE("verbs: a post refused without naming a request never leaves a transfe
     }
   }
 }
+
+namespace {
+
+// The fake adapter, except that a post can be cut: with `cut_after` at n, the next post_send takes
+// the first n requests of its chain and refuses the rest with ENOMEM (bad_wr naming the first one
+// refused), as an adapter whose send queue filled part-way does; `refuse_posts` then refuses that
+// many whole posts the same way.
+std::atomic<int> cut_after{-1};
+std::atomic<int> refuse_posts{0};
+
+struct cutting_provider : fv::fake::provider {
+  static int post_send(qp_handle qp, ibv_send_wr* wr, ibv_send_wr** bad) noexcept {
+    if (const int n = cut_after.exchange(-1); n >= 0) {
+      ibv_send_wr* last = nullptr;
+      ibv_send_wr* rest = wr;
+      for (int i = 0; i < n && rest != nullptr; ++i) {
+        last = rest;
+        rest = rest->next;
+      }
+      if (rest == nullptr) return fv::fake::provider::post_send(qp, wr, bad);
+      if (last != nullptr) {
+        last->next = nullptr;
+        const int r = fv::fake::provider::post_send(qp, wr, bad);
+        last->next = rest;
+        if (r != 0) return r;
+      }
+      *bad = rest;
+      return ENOMEM;
+    }
+    if (refuse_posts.load() > 0) {
+      refuse_posts.fetch_sub(1);
+      *bad = wr;
+      return ENOMEM;
+    }
+    return fv::fake::provider::post_send(qp, wr, bad);
+  }
+};
+
+// Two fake adapters behind cutting_provider, with a region each and a connected queue pair.
+struct cut_rig {
+  using cdevice = fv::basic_device<cutting_provider>;
+  using cregion = fv::basic_memory_region<cutting_provider>;
+  using cqp = fv::basic_queue_pair<cutting_provider>;
+  using cblock = fv::basic_rdma_block<cutting_provider>;
+
+  explicit cut_rig(fv::queue_pair_options o)
+      : a_qp(std::make_unique<cqp>(a, o)), b_qp(std::make_unique<cqp>(b, o)) {
+    a_qp->connect(b_qp->local_info());
+    b_qp->connect(a_qp->local_info());
+    fill_pattern(a_mem.bytes(), 11);
+  }
+  ~cut_rig() {
+    cut_after = -1;
+    refuse_posts = 0;
+  }
+
+  // A batch of `n` 64-byte WRITEs, block i at offset 64 (first + i) on both sides: one unit, only
+  // its last request signalled.
+  std::vector<transfer> batch(std::size_t first, std::size_t n) {
+    std::vector<cblock> blocks;
+    for (std::size_t i = first; i < first + n; ++i) {
+      blocks.push_back({a_mem.slice(i * 64, 64), b_mem.remote().slice(i * 64, 64)});
+    }
+    std::vector<transfer> out(n);
+    a_qp->write_batch(std::span<const cblock>(blocks), std::span<transfer>(out));
+    return out;
+  }
+
+  [[nodiscard]] bool landed(std::size_t first, std::size_t n) const {
+    const auto at = static_cast<std::ptrdiff_t>(first * 64);
+    const auto len = static_cast<std::ptrdiff_t>(n * 64);
+    return std::equal(a_mem.bytes().begin() + at, a_mem.bytes().begin() + at + len,
+                      b_mem.bytes().begin() + at);
+  }
+
+  ferry::progress_executor exec;
+  cdevice a{exec, fv::device_options{fresh_device("cut_a"), 1, 0, 4096}};
+  cdevice b{exec, fv::device_options{fresh_device("cut_b"), 1, 0, 4096}};
+  cregion a_mem = cregion::allocate(a, 1 << 16);
+  cregion b_mem = cregion::allocate(b, 1 << 16);
+  std::unique_ptr<cqp> a_qp;
+  std::unique_ptr<cqp> b_qp;
+};
+
+bool all_in(const std::vector<transfer>& ts, transfer_state want) {
+  return std::all_of(ts.begin(), ts.end(),
+                     [want](const transfer& t) { return t.wait_for(hang_bound) == want; });
+}
+
+}  // namespace
+
+TEST_CASE("verbs: a batch cut part-way by the adapter, with a completion coming, is finished later",
+          "[verbs]") {
+  cut_rig r({});
+  paused_fabric pause;  // the first WRITE stays in the adapter: its completion is coming
+  std::vector<transfer> first = r.batch(0, 1);
+  REQUIRE(ferry_test::wait_until([&] { return r.a.counters().work_requests_posted >= 1; }));
+  cut_after = 2;
+  std::vector<transfer> cut = r.batch(1, 4);
+  REQUIRE(ferry_test::wait_until([&] { return cut_after.load() == -1; }));
+  pause.resume();
+  REQUIRE(all_in(first, transfer_state::success));
+  REQUIRE(all_in(cut, transfer_state::success));
+  CHECK(r.landed(0, 5));
+  CHECK_FALSE(r.a_qp->error());
+}
+
+TEST_CASE("verbs: a batch cut part-way with no completion coming ends on its flush, not before",
+          "[verbs]") {
+  fv::queue_pair_options o;
+  o.flush_timeout = 10s;  // the flush, not the guard, must end it
+  cut_rig r(o);
+  cut_after = 2;  // the first two go out, the last two are refused
+  std::vector<transfer> cut = r.batch(0, 4);
+  REQUIRE(all_in(cut, transfer_state::failed));
+  // The queue pair went down; the refused tail was handed to it to flush, and that flush ended the
+  // unit: nothing holds the region any more, with the queue pair still open.
+  REQUIRE(ferry_test::wait_until([&] { return !r.a_mem.in_use(); }));
+  CHECK(r.a_qp->error());
+  CHECK(r.a.counters().flushes_overdue == 0);
+}
+
+TEST_CASE("verbs: a batch cut part-way whose tail cannot be handed over ends when its queue pair goes",
+          "[verbs]") {
+  fv::queue_pair_options o;
+  o.flush_timeout = 20ms;
+  cut_rig r(o);
+  cut_after = 2;
+  refuse_posts = 1;  // and the tail's post into the broken queue pair is refused too
+  std::vector<transfer> cut = r.batch(0, 4);
+  REQUIRE(all_in(cut, transfer_state::failed));  // the head's flushes fail it, but the flush
+  std::this_thread::sleep_for(60ms);              // that would end it never comes, past the
+  CHECK(r.a_mem.in_use());                        // flush timeout too: the region stays
+  r.a_qp.reset();  // destroying the queue pair is what takes everything back
+  CHECK(ferry_test::wait_until([&] { return !r.a_mem.in_use(); }));
+}
