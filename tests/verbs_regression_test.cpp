@@ -582,3 +582,30 @@ TEST_CASE("verbs: a batch cut part-way whose tail cannot be handed over ends whe
   r.a_qp.reset();  // destroying the queue pair is what takes everything back
   CHECK(ferry_test::wait_until([&] { return !r.a_mem.in_use(); }));
 }
+
+TEST_CASE("verbs: a peer check never takes a send-queue slot a request could use", "[verbs]") {
+  // With one slot and checks every 20 us between requests, a check that took the requests' slot
+  // made try_write return nullopt on an idle queue pair (and an inline continuation's request fail
+  // with submission_queue_full).
+  fv::queue_pair_options o;
+  o.send_depth = 1;
+  o.peer_check = 20us;
+  rig r(o);
+  std::uint64_t v = 0;
+  transfer waiting = r.a_qp->receive_notification(v);
+  int refused = 0;
+  for (int i = 0; i < 5000 && refused == 0; ++i) {
+    std::optional<transfer> t =
+        r.a_qp->try_write(r.a_mem->slice(0, 8), r.b_mem->remote().slice(0, 8));
+    if (!t) {
+      ++refused;
+      break;
+    }
+    REQUIRE(t->wait_for(hang_bound) == transfer_state::success);
+    CHECK(r.a_qp->send_credits() == 1);
+  }
+  CHECK(refused == 0);
+  CHECK(r.a->counters().peer_checks > 0);
+  REQUIRE(r.b_qp->send_notification(1).wait_for(hang_bound) == transfer_state::success);
+  REQUIRE(waiting.wait_for(hang_bound) == transfer_state::success);
+}

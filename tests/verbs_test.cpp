@@ -409,6 +409,8 @@ TEST_CASE("verbs: a notification wait with no deadline fails once its peer has g
   fv::queue_pair_options o;
   o.peer_check = 5ms;
   rig r(o);
+  // A request that came back tells the queue pair that its peer is connected: checks may start.
+  REQUIRE(post_writes(r, 1)[0].wait_for(hang_bound) == transfer_state::success);
   std::uint64_t value = 0;
   transfer waiting = r.a_qp->receive_notification(value);
   r.b_qp.reset();  // the peer's queue pair goes, as when its process dies
@@ -423,11 +425,25 @@ TEST_CASE("verbs: a notification wait with no deadline fails once its peer has g
   CHECK(r.a_qp->receive_notification(later).wait_for(hang_bound) == transfer_state::failed);
 }
 
+TEST_CASE("verbs: a request the peer never answers says the peer is unreachable", "[verbs]") {
+  rig r;
+  std::uint64_t value = 0;
+  transfer waiting = r.a_qp->receive_notification(value);
+  r.b_qp.reset();
+  transfer w = post_writes(r, 1)[0];
+  REQUIRE(w.wait_for(hang_bound) == transfer_state::failed);
+  CHECK(w.error() == ferry::verbs::make_error_code(IBV_WC_RETRY_EXC_ERR));  // the adapter's status
+  REQUIRE(waiting.wait_for(hang_bound) == transfer_state::failed);
+  CHECK(waiting.error() == fv::errc::peer_unreachable);  // and the queue pair's reason
+  CHECK(r.a_qp->error() == fv::errc::peer_unreachable);
+}
+
 TEST_CASE("verbs: peer checks of a live peer change nothing, and run only while a wait needs them",
           "[verbs]") {
   fv::queue_pair_options o;
   o.peer_check = 2ms;
   rig r(o);
+  r.b_qp->mark_peer_connected();  // as the handshake does
   std::uint64_t value = 0;
   transfer waiting = r.b_qp->receive_notification(value);
   REQUIRE(ferry_test::wait_until([&] { return r.b->counters().peer_checks >= 5; }));
@@ -451,25 +467,40 @@ TEST_CASE("verbs: peer checks of a live peer change nothing, and run only while 
   CHECK(all_end(full, transfer_state::success));
 }
 
-TEST_CASE("verbs: no peer check goes out on a queue pair not yet connected, or with checks off",
+TEST_CASE("verbs: no peer check goes out before both sides are connected, or with checks off",
           "[verbs]") {
-  // An unconnected queue pair cannot post: a check there would break it instead of checking.
   fv::queue_pair_options o;
   o.peer_check = 1ms;
   rig r;
+  // This side not connected: it cannot post, and a check would break it instead of checking.
   queue_pair lonely(*r.a, o);
+  lonely.mark_peer_connected();
   std::uint64_t value = 0;
   transfer waiting = lonely.receive_notification(value, 50ms);
   REQUIRE(waiting.wait_for(hang_bound) == transfer_state::failed);
   CHECK(waiting.error() == fv::errc::deadline_exceeded);
+  CHECK(r.a->counters().peer_checks == 0);
+  // This side connected, its peer not yet: a check would find nobody and take down a pair about to
+  // work. The wait goes on until the peer connects and sends.
+  queue_pair early(*r.a, o);
+  queue_pair late(*r.b, o);
+  early.connect(late.local_info());
+  transfer first = early.receive_notification(value);
+  std::this_thread::sleep_for(30ms);
+  CHECK(r.a->counters().peer_checks == 0);
+  late.connect(early.local_info());
+  REQUIRE(late.send_notification(5).wait_for(hang_bound) == transfer_state::success);
+  REQUIRE(first.wait_for(hang_bound) == transfer_state::success);
+  CHECK(value == 5);
+  CHECK_FALSE(early.error());
   // Checks off: a wait on a peer that has gone relies on its deadline alone.
   o.peer_check = 0ns;
   rig off(o);
+  off.a_qp->mark_peer_connected();
   transfer bounded = off.a_qp->receive_notification(value, 50ms);
   off.b_qp.reset();
   REQUIRE(bounded.wait_for(hang_bound) == transfer_state::failed);
   CHECK(bounded.error() == fv::errc::deadline_exceeded);
-  CHECK(r.a->counters().peer_checks == 0);
   CHECK(off.a->counters().peer_checks == 0);
 }
 
@@ -658,35 +689,61 @@ TEST_CASE("verbs: 10^5 transfers from four threads over two queue pairs", "[verb
   CHECK(r.a->counters().completions <= r.a->counters().work_requests_posted);
 }
 
-TEST_CASE("verbs: two queue pairs connect over the TCP side channel and exchange rkeys",
-          "[verbs]") {
+namespace {
+
+// Two fake adapters with a region each, connected over the TCP side channel on loopback: `c` is the
+// connecting side (exposing nothing), `accepted` the listening side (exposing its region).
+struct side_channel_pair {
+  explicit side_channel_pair(fv::queue_pair_options o = {}) {
+    fv::side_channel_listener listener(0);
+    std::thread server([&] {
+      const fv::remote_region exposed[] = {b_mem.remote()};
+      accepted.emplace(listener.accept(b, std::span<const fv::remote_region>(exposed), o));
+    });
+    c.emplace(fv::connect(a, "127.0.0.1", listener.port(), std::span<const fv::remote_region>(), o));
+    server.join();
+  }
+
   ferry::progress_executor exec;
-  device a(exec, fv::device_options{fresh_device("hs_a"), 1, 0, 1024});
-  device b(exec, fv::device_options{fresh_device("hs_b"), 1, 0, 1024});
+  device a{exec, fv::device_options{fresh_device("hs_a"), 1, 0, 1024}};
+  device b{exec, fv::device_options{fresh_device("hs_b"), 1, 0, 1024}};
   region a_mem = region::allocate(a, 1 << 16);
   region b_mem = region::allocate(b, 1 << 16);
-  fv::side_channel_listener listener(0);
   std::optional<fv::basic_connection<provider>> accepted;
-  std::thread server([&] {
-    const fv::remote_region exposed[] = {b_mem.remote()};
-    accepted.emplace(listener.accept(b, std::span<const fv::remote_region>(exposed)));
-  });
-  fv::basic_connection<provider> c =
-      fv::connect(a, "127.0.0.1", listener.port(), std::span<const fv::remote_region>());
-  server.join();
-  REQUIRE(accepted.has_value());
-  REQUIRE(c.peer_regions.size() == 1);
-  CHECK(accepted->peer_regions.empty());
-  CHECK(c.peer_regions[0].rkey == b_mem.rkey());
-  fill_pattern(a_mem.bytes().first(4096), 11);
-  transfer t = c.qp.write(a_mem.slice(0, 4096), c.peer_regions[0].slice(512, 4096));
+  std::optional<fv::basic_connection<provider>> c;
+};
+
+}  // namespace
+
+TEST_CASE("verbs: two queue pairs connect over the TCP side channel and exchange rkeys",
+          "[verbs]") {
+  side_channel_pair p;
+  REQUIRE(p.accepted.has_value());
+  REQUIRE(p.c->peer_regions.size() == 1);
+  CHECK(p.accepted->peer_regions.empty());
+  CHECK(p.c->peer_regions[0].rkey == p.b_mem.rkey());
+  fill_pattern(p.a_mem.bytes().first(4096), 11);
+  transfer t = p.c->qp.write(p.a_mem.slice(0, 4096), p.c->peer_regions[0].slice(512, 4096));
   REQUIRE(t.wait_for(hang_bound) == transfer_state::success);
-  CHECK(has_pattern(b_mem.bytes().subspan(512, 4096), 11));
+  CHECK(has_pattern(p.b_mem.bytes().subspan(512, 4096), 11));
   std::uint64_t v = 0;
-  transfer note = accepted->qp.receive_notification(v);
-  REQUIRE(c.qp.send_notification(99).wait_for(hang_bound) == transfer_state::success);
+  transfer note = p.accepted->qp.receive_notification(v);
+  REQUIRE(p.c->qp.send_notification(99).wait_for(hang_bound) == transfer_state::success);
   REQUIRE(note.wait_for(hang_bound) == transfer_state::success);
   CHECK(v == 99);
+}
+
+TEST_CASE("verbs: after the handshake, peer checks start before any traffic", "[verbs]") {
+  // The handshake's last step tells each side that the other is connected; nothing else has come
+  // back from the peer when the wait starts.
+  fv::queue_pair_options o;
+  o.peer_check = 5ms;
+  side_channel_pair p(o);
+  std::uint64_t v = 0;
+  transfer note = p.c->qp.receive_notification(v);
+  p.accepted.reset();
+  REQUIRE(note.wait_for(hang_bound) == transfer_state::failed);
+  CHECK(note.error() == fv::errc::peer_unreachable);
 }
 
 TEST_CASE("verbs: a side channel peer that is not speaking the handshake is refused", "[verbs]") {

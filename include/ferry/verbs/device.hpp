@@ -111,7 +111,9 @@ struct queue_pair_options {
   // pair destroyed) only when something is sent to it, so a wait for its next notification would
   // otherwise wait for ever. The check is a zero-length RDMA WRITE, which the peer's adapter answers
   // without its software; when it fails (IBV_WC_RETRY_EXC_ERR, once the adapter's retries run out)
-  // the waits fail with errc::peer_unreachable. Zero turns the checks off.
+  // the waits fail with errc::peer_unreachable. Checks start once the peer is known to be
+  // connected (the handshake, mark_peer_connected, or anything that came back from it), and use a
+  // send-queue slot of their own. Zero turns them off.
   std::chrono::nanoseconds peer_check = std::chrono::seconds(1);
 };
 
@@ -160,7 +162,7 @@ struct endpoint_info {
 };
 
 struct device_counters {
-  std::uint64_t work_requests_posted = 0;
+  std::uint64_t work_requests_posted = 0;  // peer checks included
   std::uint64_t post_calls = 0;  // ibv_post_send calls: doorbells
   std::uint64_t completions = 0;
   std::uint64_t async_events = 0;
@@ -328,6 +330,9 @@ struct qp_state {
   // 0 while usable; else the verbs::errc that ended it (read by submitters to fail fast).
   std::atomic<int> broken{0};
   std::atomic<bool> connected{false};
+  // The peer is known to be connected too: the handshake said so, the user did
+  // (mark_peer_connected), or something came back from it. Only then are peer checks sent.
+  std::atomic<bool> peer_up{false};
   op_body<P>* close_op = nullptr;  // made up front, so that closing cannot fail
 
   // The executor's from here on.
@@ -353,16 +358,6 @@ struct qp_state {
   bool expiry_listed = false;
   bool doomed = false;
 };
-
-// Takes `n` free send-queue slots, or none when fewer are free.
-[[nodiscard]] inline bool take_credits(std::atomic<std::int64_t>& credits, std::int64_t n) noexcept {
-  std::int64_t have = credits.load(std::memory_order_relaxed);
-  do {
-    if (have < n) return false;
-  } while (!credits.compare_exchange_weak(have, have - n, std::memory_order_acquire,
-                                          std::memory_order_relaxed));
-  return true;
-}
 
 template <class P>
 [[nodiscard]] std::uint32_t initial_psn(const qp_state<P>* s) noexcept {
@@ -749,13 +744,16 @@ class basic_device {
       throw std::invalid_argument(
           "ferry::verbs::queue_pair_options::peer_check must not be negative");
     }
-    const std::int64_t needs = std::int64_t{o.send_depth} + o.receive_depth;
+    // Peer checks have a send-queue slot of their own, so that they never take one a request needs.
+    std::uint32_t check_slot = o.peer_check > std::chrono::nanoseconds::zero() ? 1 : 0;
+    const std::int64_t needs = std::int64_t{o.send_depth} + check_slot + o.receive_depth;
     {
       std::lock_guard lock(setup_mutex_);
       if (needs > cq_room_) {
         throw std::length_error(
             "ferry::verbs: a queue pair of send depth " + std::to_string(o.send_depth) +
-            " and receive depth " + std::to_string(o.receive_depth) + " needs " +
+            " and receive depth " + std::to_string(o.receive_depth) +
+            (check_slot != 0 ? " (and a slot for peer checks)" : "") + " needs " +
             std::to_string(needs) + " completion queue entries, and only " +
             std::to_string(cq_room_) + " of the device's " +
             std::to_string(options_.completion_queue_entries) + " are left");
@@ -766,7 +764,7 @@ class basic_device {
     s->device = this;
     try {
       ibv_qp_cap cap{};
-      cap.max_send_wr = o.send_depth;
+      cap.max_send_wr = o.send_depth + check_slot;
       cap.max_recv_wr = o.receive_depth;
       cap.max_send_sge = 1;
       cap.max_recv_sge = 1;
@@ -775,13 +773,15 @@ class basic_device {
       if (!s->qp) throw system_error("ibv_create_qp");
       s->qp_num = P::qp_num(s->qp);
       s->psn = detail::initial_psn(s.get());
-      // What the device granted: a provider may clamp the request.
-      s->send_depth = std::min(o.send_depth, cap.max_send_wr);
+      // What the device granted: a provider may clamp the request. With a single slot, requests
+      // have it and there are no peer checks.
+      if (cap.max_send_wr < 2) check_slot = 0;
+      s->send_depth = std::min(o.send_depth, cap.max_send_wr - check_slot);
       s->max_inline = cap.max_inline_data;
       s->max_rd_atomic = o.max_rd_atomic;
       s->admission_timeout = o.admission_timeout;
       s->flush_timeout = o.flush_timeout;
-      s->peer_check = o.peer_check;
+      s->peer_check = check_slot != 0 ? o.peer_check : std::chrono::nanoseconds::zero();
       s->guard.qp = s.get();
       s->check.qp = s.get();
       s->cq_reserved = needs;
@@ -1047,7 +1047,9 @@ class basic_device {
       ++n;
       if (q->in_error || q->waiters.empty()) continue;  // armed again by the next wait
       // Anything else in flight tells of a peer that has gone as well as a check would.
-      if (q->connected.load(std::memory_order_acquire) && q->posted_head == nullptr &&
+      // A check towards a peer not yet connected would fail and take the queue pair down.
+      if (q->connected.load(std::memory_order_acquire) &&
+          q->peer_up.load(std::memory_order_relaxed) && q->posted_head == nullptr &&
           q->pending.empty()) {
         post_peer_check(q);
       }
@@ -1057,15 +1059,14 @@ class basic_device {
   }
 
   void post_peer_check(qp_state* q) noexcept {
-    // A send-queue slot like any request's; with none free, requests are in flight anyway.
-    if (!detail::take_credits(q->credits, 1)) return;
+    // Its send-queue slot is its own (create_queue_pair), and it is free: at most one check is out,
+    // and only when nothing else is.
     op_body* o = nullptr;
     try {
       o = op::make(op_kind::peer_check);
       o->status = ferry::detail::status_block::make();
     } catch (...) {
       if (o != nullptr) op::free(o);
-      q->credits.fetch_add(1, std::memory_order_relaxed);
       return;
     }
     // Nobody waits for it: its handle goes at once, and end_unit releases the completer's reference.
@@ -1265,11 +1266,13 @@ class basic_device {
     op_body* lead = o->lead;
     qp_state* q = lead->qp;
     if (wc.status == IBV_WC_SUCCESS) {
+      note_peer_up(q);
       // Only a unit's last member is signalled, and RC completes in order: every member landed.
       end_unit(lead, transfer_state::success, {});
     } else {
       const std::error_code ec = failure_of(lead, wc);
-      const bool peer_gone = lead->kind == op_kind::peer_check && wc.status == IBV_WC_RETRY_EXC_ERR;
+      // The adapter's retries ran out: the peer did not answer (a check, or any request).
+      const bool peer_gone = wc.status == IBV_WC_RETRY_EXC_ERR;
       if (o == lead->last) {
         end_unit(lead, transfer_state::failed, ec);
       } else {
@@ -1297,6 +1300,10 @@ class basic_device {
     return make_error_code(static_cast<ibv_wc_status>(wc.status));
   }
 
+  static void note_peer_up(qp_state* q) noexcept {
+    if (!q->peer_up.load(std::memory_order_relaxed)) q->peer_up.store(true, std::memory_order_relaxed);
+  }
+
   void doom(qp_state* q) noexcept {
     if (q->doomed) return;
     q->doomed = true;
@@ -1312,6 +1319,7 @@ class basic_device {
       if (!q->in_error) break_queue_pair(q, errc::queue_pair_error, false);
       return;
     }
+    note_peer_up(q);
     if (wc.byte_len != sizeof slot->value) {
       // Not a ferry notification: fail whoever waits for one, and keep the receive going.
       if (op_body* w = q->waiters.pop()) {
@@ -1374,7 +1382,9 @@ class basic_device {
     cancel_timer(lead);
     unlist_posted(q, lead);
     if (q->posted_head == nullptr) disarm_flush_guard(q);
-    q->credits.fetch_add(lead->unit_size, std::memory_order_release);
+    if (lead->kind != op_kind::peer_check) {
+      q->credits.fetch_add(lead->unit_size, std::memory_order_release);
+    }
     for (op_body* m = lead; m != nullptr;) {
       op_body* next = m->unit_next;
       ferry::detail::status_block* s = m->status;
@@ -1754,6 +1764,11 @@ class basic_queue_pair {
   // Brings the queue pair to RTS towards `remote`. Throws std::system_error naming the failed step.
   void connect(const endpoint_info& remote) { state_->device->connect(state_, remote); }
 
+  // Tells the queue pair that its peer has connected too (the handshake does this itself), so that
+  // peer checks may start before anything has come back from it: a check towards a peer not yet
+  // connected would fail and take the queue pair down.
+  void mark_peer_connected() noexcept { state_->peer_up.store(true, std::memory_order_relaxed); }
+
   [[nodiscard]] std::uint32_t qp_num() const noexcept { return state_->qp_num; }
   [[nodiscard]] typename P::qp_handle native_handle() const noexcept { return state_->qp; }
 
@@ -1894,7 +1909,14 @@ class basic_queue_pair {
     return make_completed_transfer(transfer_state::failed, ec);
   }
 
-  [[nodiscard]] bool reserve(std::int64_t n) noexcept { return detail::take_credits(state_->credits, n); }
+  [[nodiscard]] bool reserve(std::int64_t n) noexcept {
+    std::int64_t have = state_->credits.load(std::memory_order_relaxed);
+    do {
+      if (have < n) return false;
+    } while (!state_->credits.compare_exchange_weak(have, have - n, std::memory_order_acquire,
+                                                    std::memory_order_relaxed));
+    return true;
+  }
 
   // Why a block cannot be posted, if it cannot.
   [[nodiscard]] std::error_code check(const rdma_block& b) const noexcept {

@@ -25,7 +25,7 @@ enum class errc : int {
   not_connected,
   handshake_failed,
   queue_pair_timed_out,   // a request's deadline passed in the adapter: the queue pair was flushed
-  peer_unreachable,       // a peer check found the peer gone (queue_pair_options::peer_check)
+  peer_unreachable,       // the peer did not answer (IBV_WC_RETRY_EXC_ERR): a check or a request
 };
 
 namespace detail {
@@ -109,9 +109,9 @@ class error_category_impl final : public std::error_category {
         return "a request's deadline passed while the adapter held it, so the queue pair was moved "
                "to the error state to take it back; nothing more can be posted on it";
       case errc::peer_unreachable:
-        return "the peer did not answer a check that it is still there (a zero-length RDMA WRITE "
-               "failed with IBV_WC_RETRY_EXC_ERR): its queue pair or process has gone, or the path "
-               "to it is down; nothing more can be posted on the queue pair";
+        return "the peer did not answer (a request, or a check that it is still there, failed with "
+               "IBV_WC_RETRY_EXC_ERR): its queue pair or process has gone, or the path to it is "
+               "down; nothing more can be posted on the queue pair";
     }
     return "unknown ferry.verbs error " + std::to_string(value);
   }

@@ -226,6 +226,7 @@ basic_connection<P> handshake(int fd, basic_device<P>& device, std::span<const r
   std::byte got{};
   receive_all(fd, std::span(&got, 1), deadline);
   if (got != ready) handshake_error("the peer did not confirm that its queue pair is ready");
+  c.qp.mark_peer_connected();
   return c;
 }
 
