@@ -1033,11 +1033,7 @@ class basic_device {
       return;
     }
     // Out of memory: no check, and a wait without a deadline relies on its peer as before.
-    (void)arm(q->check, q->peer_check, &on_peer_check_due);
-  }
-
-  static void on_peer_check_due(ferry::detail::timer_node* t) noexcept {
-    list_fired(t, &basic_device::checks_due_);
+    (void)arm(q->check, q->peer_check, &list_fired<&basic_device::checks_due_>);
   }
 
   std::size_t check_peers() noexcept {
@@ -1472,13 +1468,15 @@ class basic_device {
     if (t.armed && exec_.timers().cancel(t.timer)) t.armed = false;
   }
 
-  static void list_fired(ferry::detail::timer_node* node, qp_timer* basic_device::*list) noexcept {
+  // The timers' callback: lists the fired timer in `List`.
+  template <qp_timer* basic_device::*List>
+  static void list_fired(ferry::detail::timer_node* node) noexcept {
     static_assert(std::is_standard_layout_v<qp_timer>);
     auto* t = reinterpret_cast<qp_timer*>(node);
     basic_device* self = t->qp->device;
     t->fired = true;
-    t->fired_next = self->*list;
-    self->*list = t;
+    t->fired_next = self->*List;
+    self->*List = t;
   }
 
   // The next fired timer of `list`, taken off it; null when there is none.
@@ -1508,14 +1506,10 @@ class basic_device {
       return;
     }
     // No timer (out of memory): give up waiting at once, as the guard would.
-    if (!arm(q->guard, q->flush_timeout, &on_flush_overdue)) give_up_flushes(q);
+    if (!arm(q->guard, q->flush_timeout, &list_fired<&basic_device::overdue_>)) give_up_flushes(q);
   }
 
   void disarm_flush_guard(qp_state* q) noexcept { disarm(q->guard); }
-
-  static void on_flush_overdue(ferry::detail::timer_node* t) noexcept {
-    list_fired(t, &basic_device::overdue_);
-  }
 
   std::size_t drain_overdue() noexcept {
     std::size_t n = 0;
