@@ -583,8 +583,8 @@ TEST_CASE("verbs: a batch cut part-way whose tail cannot be handed over ends whe
   CHECK(ferry_test::wait_until([&] { return !r.a_mem.in_use(); }));
 }
 
-TEST_CASE("verbs: a peer check never takes a send-queue slot a request could use", "[verbs]") {
-  // With one slot and checks every 20 us between requests, a check that took the requests' slot
+TEST_CASE("verbs: a peer check never takes a request's send-queue credit", "[verbs]") {
+  // With one slot and checks every 20 us between requests, a check that took the requests' credit
   // made try_write return nullopt on an idle queue pair (and an inline continuation's request fail
   // with submission_queue_full).
   fv::queue_pair_options o;
@@ -607,5 +607,28 @@ TEST_CASE("verbs: a peer check never takes a send-queue slot a request could use
   CHECK(refused == 0);
   CHECK(r.a->counters().peer_checks > 0);
   REQUIRE(r.b_qp->send_notification(1).wait_for(hang_bound) == transfer_state::success);
+  REQUIRE(waiting.wait_for(hang_bound) == transfer_state::success);
+}
+
+TEST_CASE("verbs: a request that finds a peer check filling the send queue goes out after it",
+          "[verbs]") {
+  fv::queue_pair_options o;
+  o.send_depth = 1;
+  o.peer_check = 1ms;
+  rig r(o);
+  r.b_qp->mark_peer_connected();
+  std::uint64_t v = 0;
+  transfer waiting = r.b_qp->receive_notification(v);
+  paused_fabric pause;  // the adapter holds the check: the one-slot send queue is full
+  REQUIRE(ferry_test::wait_until([&] { return r.b->counters().peer_checks >= 1; }));
+  fill_pattern(r.b_mem->bytes().first(64), 5);
+  transfer w = r.b_qp->write(r.b_mem->slice(0, 64), r.a_mem->remote().slice(0, 64));
+  REQUIRE(ferry_test::wait_until([&] { return r.b->counters().post_calls >= 2; }));  // refused
+  CHECK(w.state() == transfer_state::pending);
+  pause.resume();
+  REQUIRE(w.wait_for(hang_bound) == transfer_state::success);
+  CHECK(has_pattern(r.a_mem->bytes().first(64), 5));
+  CHECK_FALSE(r.b_qp->error());
+  REQUIRE(r.a_qp->send_notification(3).wait_for(hang_bound) == transfer_state::success);
   REQUIRE(waiting.wait_for(hang_bound) == transfer_state::success);
 }

@@ -429,7 +429,10 @@ TEST_CASE("verbs: a request the peer never answers says the peer is unreachable"
   rig r;
   std::uint64_t value = 0;
   transfer waiting = r.a_qp->receive_notification(value);
+  const std::size_t live = fabric::instance().live_objects();
   r.b_qp.reset();
+  // The close is the executor's to carry out: wait until the peer's queue pair is gone.
+  REQUIRE(ferry_test::wait_until([&] { return fabric::instance().live_objects() < live; }));
   transfer w = post_writes(r, 1)[0];
   REQUIRE(w.wait_for(hang_bound) == transfer_state::failed);
   CHECK(w.error() == ferry::verbs::make_error_code(IBV_WC_RETRY_EXC_ERR));  // the adapter's status

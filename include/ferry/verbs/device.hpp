@@ -112,8 +112,8 @@ struct queue_pair_options {
   // otherwise wait for ever. The check is a zero-length RDMA WRITE, which the peer's adapter answers
   // without its software; when it fails (IBV_WC_RETRY_EXC_ERR, once the adapter's retries run out)
   // the waits fail with errc::peer_unreachable. Checks start once the peer is known to be
-  // connected (the handshake, mark_peer_connected, or anything that came back from it), and use a
-  // send-queue slot of their own. Zero turns them off.
+  // connected (the handshake, mark_peer_connected, or anything that came back from it), go out only
+  // while nothing else is in flight, and take no request's send-queue credit. Zero turns them off.
   std::chrono::nanoseconds peer_check = std::chrono::seconds(1);
 };
 
@@ -167,7 +167,7 @@ struct device_counters {
   std::uint64_t completions = 0;
   std::uint64_t async_events = 0;
   std::uint64_t flushes_overdue = 0;  // broken queue pairs the adapter did not flush in time
-  std::uint64_t peer_checks = 0;      // zero-length WRITEs posted to check a peer is still there
+  std::uint64_t peer_checks = 0;      // zero-length WRITEs sent to check a peer is still there
 };
 
 namespace detail {
@@ -744,16 +744,18 @@ class basic_device {
       throw std::invalid_argument(
           "ferry::verbs::queue_pair_options::peer_check must not be negative");
     }
-    // Peer checks have a send-queue slot of their own, so that they never take one a request needs.
-    std::uint32_t check_slot = o.peer_check > std::chrono::nanoseconds::zero() ? 1 : 0;
-    const std::int64_t needs = std::int64_t{o.send_depth} + check_slot + o.receive_depth;
+    // A peer check goes out only on an idle queue pair and takes no request's credit, so a request
+    // can find the send queue full while one is out (post_pending retries once it completes); its
+    // completion has an entry of its own.
+    const std::int64_t check_entry = o.peer_check > std::chrono::nanoseconds::zero() ? 1 : 0;
+    const std::int64_t needs = std::int64_t{o.send_depth} + check_entry + o.receive_depth;
     {
       std::lock_guard lock(setup_mutex_);
       if (needs > cq_room_) {
         throw std::length_error(
             "ferry::verbs: a queue pair of send depth " + std::to_string(o.send_depth) +
             " and receive depth " + std::to_string(o.receive_depth) +
-            (check_slot != 0 ? " (and a slot for peer checks)" : "") + " needs " +
+            (check_entry != 0 ? " (and one for peer checks)" : "") + " needs " +
             std::to_string(needs) + " completion queue entries, and only " +
             std::to_string(cq_room_) + " of the device's " +
             std::to_string(options_.completion_queue_entries) + " are left");
@@ -764,7 +766,7 @@ class basic_device {
     s->device = this;
     try {
       ibv_qp_cap cap{};
-      cap.max_send_wr = o.send_depth + check_slot;
+      cap.max_send_wr = o.send_depth;
       cap.max_recv_wr = o.receive_depth;
       cap.max_send_sge = 1;
       cap.max_recv_sge = 1;
@@ -773,15 +775,13 @@ class basic_device {
       if (!s->qp) throw system_error("ibv_create_qp");
       s->qp_num = P::qp_num(s->qp);
       s->psn = detail::initial_psn(s.get());
-      // What the device granted: a provider may clamp the request. With a single slot, requests
-      // have it and there are no peer checks.
-      if (cap.max_send_wr < 2) check_slot = 0;
-      s->send_depth = std::min(o.send_depth, cap.max_send_wr - check_slot);
+      // What the device granted: a provider may clamp the request.
+      s->send_depth = std::min(o.send_depth, cap.max_send_wr);
       s->max_inline = cap.max_inline_data;
       s->max_rd_atomic = o.max_rd_atomic;
       s->admission_timeout = o.admission_timeout;
       s->flush_timeout = o.flush_timeout;
-      s->peer_check = check_slot != 0 ? o.peer_check : std::chrono::nanoseconds::zero();
+      s->peer_check = o.peer_check;
       s->guard.qp = s.get();
       s->check.qp = s.get();
       s->cq_reserved = needs;
@@ -1055,8 +1055,8 @@ class basic_device {
   }
 
   void post_peer_check(qp_state* q) noexcept {
-    // Its send-queue slot is its own (create_queue_pair), and it is free: at most one check is out,
-    // and only when nothing else is.
+    // It takes no credit: the send queue is empty now, and a request posted while the check is out
+    // and the queue is full is refused for now (ENOMEM) and posted again once the check completes.
     op_body* o = nullptr;
     try {
       o = op::make(op_kind::peer_check);

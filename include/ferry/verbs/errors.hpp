@@ -110,8 +110,8 @@ class error_category_impl final : public std::error_category {
                "to the error state to take it back; nothing more can be posted on it";
       case errc::peer_unreachable:
         return "the peer did not answer (a request, or a check that it is still there, failed with "
-               "IBV_WC_RETRY_EXC_ERR): its queue pair or process has gone, or the path to it is "
-               "down; nothing more can be posted on the queue pair";
+               "IBV_WC_RETRY_EXC_ERR): its queue pair or process has gone, it is not connected "
+               "yet, or the path to it is down; nothing more can be posted on the queue pair";
     }
     return "unknown ferry.verbs error " + std::to_string(value);
   }
