@@ -82,7 +82,7 @@ setsid unshare --mount --fork --propagation private sh -eu -c '
   mountpoint -q "$root/sys" || mount --rbind /sys "$root/sys"
   mountpoint -q "$root/dev" || mount --rbind /dev "$root/dev"
   echo "fresh_debian: scripts/quickstart.sh $mode, as root in the new Debian 12"
-  exec chroot "$root" /usr/bin/env -i HOME=/root TERM=dumb \
+  exec chroot "$root" /usr/bin/env -i HOME=/root TERM=dumb FERRY_IN_FRESH_ROOT=1 \
     PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     /bin/sh -c "cd /root/ferry && scripts/quickstart.sh $mode"
 ' fresh_debian "$work" "$mode" "$mirror" &

@@ -1,8 +1,9 @@
 #!/bin/sh
 # The README's quick-start commands are the ones CI and the scripts run: its second command block
-# under "## Quick start" must be exactly the first command .ci/run executes, .ci/run must then run
-# the demo mode through scripts/fresh_debian.sh where it can, that script must run scripts/quickstart.sh with the
-# mode it is given, and both blocks must name a mode scripts/quickstart.sh accepts.
+# under "## Quick start" must be the one command .ci/run executes, that command must end by running
+# the demo mode through scripts/fresh_debian.sh where it can, that script must run
+# scripts/quickstart.sh with the mode it is given, and both blocks must name a mode
+# scripts/quickstart.sh accepts.
 # Usage: check_quickstart.sh SOURCE_ROOT
 set -eu
 root=$1
@@ -17,11 +18,11 @@ block() {
 }
 demo=$(block 1)
 test_command=$(block 2)
-# .ci/run's first command: the first line that is not a comment, blank, `set` or the `cd` to the
-# checkout's root.
-ci_command=$(awk '
+# .ci/run's commands: every line that is not a comment, blank, `set` or the `cd` to the checkout's
+# root. There must be exactly one, the README's test command.
+ci_commands=$(awk '
   /^#/ || /^[[:space:]]*$/ || /^set / || /^cd / { next }
-  { print; exit }
+  { print }
 ' "$root/.ci/run")
 status=0
 if [ "$demo" != "scripts/quickstart.sh demo" ]; then
@@ -32,22 +33,24 @@ if [ "$test_command" != "scripts/quickstart.sh test" ]; then
   echo "README quick start, second command: '$test_command', expected 'scripts/quickstart.sh test'" >&2
   status=1
 fi
-if [ "$ci_command" != "$test_command" ]; then
-  echo ".ci/run first executes '$ci_command', but the README's test command is '$test_command'" >&2
+if [ "$ci_commands" != "$test_command" ]; then
+  echo ".ci/run must run exactly the README's test command '$test_command'; it runs:" >&2
+  echo "$ci_commands" >&2
   status=1
 fi
-# After the test command, where CI can, it runs the demo command through fresh_debian.sh, which
-# must run it as written.
+# The test command ends by running the demo command through fresh_debian.sh where it can (and not
+# inside such a root), which must run it as written.
 fresh_block=$(awk '
-  /^if scripts\/fresh_debian.sh check; then$/ { on = 1 }
+  /^if \[ -z "\$\{FERRY_IN_FRESH_ROOT:-\}" \] && scripts\/fresh_debian.sh check; then$/ { on = 1 }
   on { print }
   on && /^fi$/ { exit }
-' "$root/.ci/run")
-expected_block='if scripts/fresh_debian.sh check; then
+' "$root/scripts/quickstart.sh")
+# shellcheck disable=SC2016
+expected_block='if [ -z "${FERRY_IN_FRESH_ROOT:-}" ] && scripts/fresh_debian.sh check; then
   scripts/fresh_debian.sh demo
 fi'
 if [ "$fresh_block" != "$expected_block" ]; then
-  echo ".ci/run does not run the demo mode through scripts/fresh_debian.sh; expected:" >&2
+  echo "scripts/quickstart.sh test does not end by running the demo mode through scripts/fresh_debian.sh; expected:" >&2
   echo "$expected_block" >&2
   status=1
 fi
