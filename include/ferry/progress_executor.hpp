@@ -6,6 +6,10 @@
 // every source once more (arming those that need it), and only then sleeps in epoll on an eventfd and
 // the sources' descriptors. A submitter that queued work calls notify(), which costs one fence and one
 // load unless the thread has announced sleep; only then does it write the eventfd.
+//
+// An idle spin (adaptive mode's spin_budget, or a source that only polling serves) offers the CPU
+// every few microseconds (detail::idle_spin): a thread woken onto the executor's CPU runs at once,
+// not after the spin. Busy mode does not: it is for a core given to the executor alone.
 
 #include <algorithm>
 #include <atomic>
@@ -299,6 +303,7 @@ class progress_executor {
     std::uint64_t completions = 0;
     detail::clock::time_point idle_since{};
     bool idle = false;
+    detail::idle_spin spin;
     std::uint64_t round = 0;
     for (;;) {
       // seq_cst store, then seq_cst load of generation_, against sync()'s seq_cst bump-then-read:
@@ -327,7 +332,7 @@ class progress_executor {
       if (any_busy()) {
         // Work is out that only polling finds: keep looking (and never announce sleep, so that
         // submitters need not wake us).
-        detail::cpu_relax();
+        spin.step(detail::clock::now());
         continue;
       }
       if (options_.mode == progress_mode::adaptive) {
@@ -337,7 +342,7 @@ class progress_executor {
           idle_since = now;
         }
         if (now - idle_since < options_.spin_budget) {
-          detail::cpu_relax();
+          spin.step(now);
           continue;
         }
       }
