@@ -7,6 +7,7 @@
 #include <thread>
 #include <vector>
 
+#include <ferry/fault_injector.hpp>
 #include <ferry/loopback.hpp>
 
 #include "helpers.hpp"
@@ -95,6 +96,11 @@ TEST_CASE("loopback copies that spill past its ring complete in the order they w
   // and under load the oldest could wait behind ever newer ones.
   ferry::progress_executor exec;
   ferry::loopback_backend starter{exec};
+  // The kick is held back until the coroutine below is suspended on it, so it cannot complete
+  // early and let the coroutine run on, on this thread (where its copies would complete under it).
+  ferry::fault_profile hold_kick;
+  hold_kick.hang_rate = 1.0;
+  ferry::fault_injector gate{exec, hold_kick};
   ferry::loopback_backend lb{exec, ferry::loopback_options{4}};
   constexpr std::size_t n = 100;
   const auto src = pattern(64, 5);
@@ -104,12 +110,15 @@ TEST_CASE("loopback copies that spill past its ring complete in the order they w
   std::vector<std::size_t> order;  // appended on the executor thread only
   std::vector<ferry::transfer> copies;
   std::atomic<bool> submitted{false};
+  std::atomic<bool> submitted_on_executor{false};
   ferry::inline_scheduler on_executor;
-  [](ferry::transfer kick, ferry::inline_scheduler& s, ferry::loopback_backend& lb,
-     const std::vector<std::byte>& src, std::vector<std::vector<std::byte>>& dsts,
-     std::vector<ferry::transfer>& copies, std::vector<std::size_t>& order,
-     std::atomic<bool>& submitted) -> detached_inline {
+  [](ferry::transfer kick, ferry::inline_scheduler& s, ferry::progress_executor& exec,
+     ferry::loopback_backend& lb, const std::vector<std::byte>& src,
+     std::vector<std::vector<std::byte>>& dsts, std::vector<ferry::transfer>& copies,
+     std::vector<std::size_t>& order, std::atomic<bool>& submitted,
+     std::atomic<bool>& submitted_on_executor) -> detached_inline {
     (void)co_await ferry::resume_on(s, kick);  // on the executor thread from here
+    submitted_on_executor.store(exec.on_executor_thread());
     for (auto& d : dsts) copies.push_back(lb.copy(d, src));
     for (std::size_t i = 0; i < copies.size(); ++i) {
       [](ferry::transfer t, ferry::inline_scheduler& s, std::vector<std::size_t>& order,
@@ -119,8 +128,12 @@ TEST_CASE("loopback copies that spill past its ring complete in the order they w
       }(copies[i], s, order, i);
     }
     submitted.store(true);
-  }(starter.copy(kick_dst, kick_src), on_executor, lb, src, dsts, copies, order, submitted);
+  }(gate.wrap(starter.copy(kick_dst, kick_src)), on_executor, exec, lb, src, dsts, copies, order,
+    submitted, submitted_on_executor);
+  REQUIRE(wait_until([&] { return gate.counters().hung == 1; }));
+  REQUIRE(gate.release_hung() == 1);  // completes the kick on the executor's thread
   REQUIRE(wait_until([&] { return submitted.load(); }));
+  REQUIRE(submitted_on_executor.load());
   REQUIRE(ferry::wait_all(copies, hang_bound).verdict == verdict::success);
   exec.sync();  // the round that completed the last copy, and ran its waiter, is over
   std::vector<std::size_t> expected(n);
