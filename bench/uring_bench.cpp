@@ -62,16 +62,22 @@ class offsets {
   std::mt19937_64 rng_;
 };
 
+// How the runners read the file: O_DIRECT from the device (buffered where the file system refuses
+// O_DIRECT), or buffered from the page cache, which the file is read into first, so that every read
+// is a copy the kernel makes inside the call that submits it and the CPU, not the disk, is the limit.
+enum class file_mode { direct, cached };
+
 struct test_file {
   std::string path;
   int fd = -1;
   bool direct = false;
   std::size_t size = 0;
 
-  test_file(std::size_t bytes) : size(bytes) {
+  test_file(std::size_t bytes, file_mode mode = file_mode::direct) : size(bytes) {
     const char* dir = std::getenv("FERRY_BENCH_DIR");
     path = (dir != nullptr ? std::filesystem::path(dir) : std::filesystem::temp_directory_path()) /
-           ("ferry-bench-" + std::to_string(::getpid()));
+           ("ferry-bench-" + std::to_string(::getpid()) +
+            (mode == file_mode::cached ? "-cached" : ""));
     const int w = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     if (w < 0) throw std::system_error(errno, std::system_category(), "create " + path);
     std::vector<char> chunk(1 << 20);
@@ -83,9 +89,15 @@ struct test_file {
     }
     ::fsync(w);
     ::close(w);
-    fd = ::open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+    if (mode == file_mode::direct) fd = ::open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
     direct = fd >= 0;
     if (!direct) fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) throw std::system_error(errno, std::system_category(), "open " + path);
+    if (mode == file_mode::cached) {
+      for (std::size_t at = 0; at < bytes; at += chunk.size()) {
+        if (::pread(fd, chunk.data(), chunk.size(), static_cast<off_t>(at)) <= 0) break;
+      }
+    }
   }
   ~test_file() {
     ::close(fd);
@@ -287,6 +299,8 @@ double raw_liburing(const test_file& f, const workload& w, double seconds, raw_s
 // ---- fio's io_uring engine on the same file; 0 when fio is not installed. ----
 
 // `cpu`, when given, receives the CPUs fio's job kept busy (its usr_cpu + sys_cpu, per cent of one).
+// fio drops the file's cached pages before a job unless told not to (--invalidate=0); the other
+// runners read whatever the cache holds, and so does fio here.
 double fio_iops(const test_file& f, const workload& w, double seconds, double* cpu = nullptr) {
   const std::string cmd =
       "fio --name=ferry --filename=" + f.path + " --size=" + std::to_string(f.size) +
@@ -294,7 +308,7 @@ double fio_iops(const test_file& f, const workload& w, double seconds, double* c
       " --iodepth=" + std::to_string(w.depth) + " --ioengine=io_uring --direct=" +
       (f.direct ? "1" : "0") + " --time_based --runtime=" +
       std::to_string(std::max(1, static_cast<int>(seconds + 0.5))) +
-      " --randrepeat=0 --norandommap --output-format=json 2>/dev/null";
+      " --randrepeat=0 --norandommap --invalidate=0 --output-format=json 2>/dev/null";
   FILE* p = ::popen(cmd.c_str(), "r");
   if (p == nullptr) return 0;
   std::string out;
@@ -471,6 +485,80 @@ std::string uring_unavailable() {
 }
 
 }  // namespace
+
+// QD 32 from the page cache: each read is a 4 KiB copy the kernel makes inside the call that
+// submits it, so what a runner spends per read, in system calls above all, sets its rate. ferry
+// runs with the default ring (calls of at most two requests, so that a disk gets each request at
+// once) and with submit_batch = 0 (everything an executor round prepared in one call).
+void run_uring_cached(const options& opt, bool fio) {
+  const double seconds = opt.quick ? 0.2 : 1.0;
+  const int passes = opt.quick ? 1 : 5;
+  test_file f(opt.quick ? (64u << 20) : (256u << 20), file_mode::cached);
+  const workload w{"4 KiB random, QD 32, page cache", page, 32, true};
+  ferry::progress_executor exec, unbatched_exec;
+  uring::ring r(exec, uring::ring_options{.entries = 256});
+  uring::ring unbatched(unbatched_exec, uring::ring_options{.entries = 256, .submit_batch = 0});
+  std::vector<double> co, inl, inl_all, raw, raw_each, fi;
+  std::vector<double> co_fio, inl_fio, inl_all_fio, inl_raw, inl_all_raw, raw_fio;
+  double c = 0, i = 0, ia = 0, rr = 0, re = 0, ff = 0;
+  in_shuffled_passes(
+      fio ? 6 : 5, passes,
+      [&](std::size_t runner) {
+        switch (runner) {
+          case 0: c = ferry_coroutines(r, f, w, seconds); break;
+          case 1: i = ferry_inline(r, f, w, seconds); break;
+          case 2: ia = ferry_inline(unbatched, f, w, seconds); break;
+          case 3: rr = raw_liburing(f, w, seconds, raw_submit::batched); break;
+          case 4: re = raw_liburing(f, w, seconds, raw_submit::per_read); break;
+          default: ff = fio_iops(f, w, seconds); break;
+        }
+      },
+      [&] {
+        co.push_back(c);
+        inl.push_back(i);
+        inl_all.push_back(ia);
+        raw.push_back(rr);
+        raw_each.push_back(re);
+        if (rr > 0) {
+          inl_raw.push_back(i / rr);
+          inl_all_raw.push_back(ia / rr);
+        }
+        if (ff > 0) {
+          fi.push_back(ff);
+          co_fio.push_back(c / ff);
+          inl_fio.push_back(i / ff);
+          inl_all_fio.push_back(ia / ff);
+          raw_fio.push_back(re / ff);
+        }
+      });
+  const auto ratio = [](const std::vector<double>& v) {
+    char out[96];
+    std::vector<double> sorted = v;
+    std::sort(sorted.begin(), sorted.end());
+    std::snprintf(out, sizeof out, "%.2f (%.2f-%.2f)", median_of(v),
+                  sorted.empty() ? 0.0 : sorted.front(), sorted.empty() ? 0.0 : sorted.back());
+    return std::string(out);
+  };
+  std::printf("\n## io_uring 4 KiB random reads at QD 32 from the page cache (%zu MiB file read "
+              "into the cache first, buffered; medians over %d passes of %.1f s per runner; ratios "
+              "are medians of the ratios within each pass, with their range)\n\n",
+              f.size >> 20, passes, seconds);
+  std::printf("| ferry co_await, engine thread | ferry co_await, executor thread | the same, "
+              "submit_batch 0 | raw liburing, batched | raw liburing, per read | fio io_uring "
+              "|\n|---|---|---|---|---|---|\n| %s IOPS | %s IOPS | %s IOPS | %s IOPS | %s IOPS | %s |\n",
+              rate(median_of(co)).c_str(), rate(median_of(inl)).c_str(),
+              rate(median_of(inl_all)).c_str(), rate(median_of(raw)).c_str(),
+              rate(median_of(raw_each)).c_str(),
+              fio ? (rate(median_of(fi)) + " IOPS").c_str() : "-");
+  std::printf("\n| ratio | engine thread | executor thread | executor thread, submit_batch 0 | raw "
+              "per read |\n|---|---|---|---|---|\n");
+  if (fio) {
+    std::printf("| / fio | %s | %s | %s | %s |\n", ratio(co_fio).c_str(), ratio(inl_fio).c_str(),
+                ratio(inl_all_fio).c_str(), ratio(raw_fio).c_str());
+  }
+  std::printf("| / raw batched | | %s | %s | |\n", ratio(inl_raw).c_str(),
+              ratio(inl_all_raw).c_str());
+}
 
 void run_uring(const options& opt) {
   if (const std::string why = uring_unavailable(); !why.empty()) {
@@ -665,6 +753,7 @@ void run_uring(const options& opt) {
     }
   }
   std::printf("%s", spin_table.c_str());
+  run_uring_cached(opt, fio);
 }
 
 // How the disk's throughput grows with queue depth, for fio and ferry's two coroutine runners.

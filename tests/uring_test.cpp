@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <ferry/fault_injector.hpp>
 #include <ferry/task.hpp>
 #include <ferry/uring/aligned_buffer.hpp>
 #include <ferry/uring/ring.hpp>
@@ -150,6 +151,78 @@ TEST_CASE("uring: one submission call carries at most submit_batch requests",
     const uring::ring_counters c = r.counters();
     REQUIRE(c.resubmitted == 0);  // a short read would add calls of its own
     CHECK(c.submitted == n);
+    CHECK(c.submit_calls == want.calls);
+  }
+}
+
+TEST_CASE("uring: reads submitted by continuations resumed inline share calls of submit_batch",
+          "[uring][concurrency]") {
+  // A starter coroutine on the executor's thread makes n reads and hooks a continuation on each,
+  // before the ring can take any of them. The reads hit the page cache, so the kernel completes
+  // them inside the call that submits them and the ring reaps them together; each continuation,
+  // resumed inline in that reap, makes one more read. Those go out in calls of submit_batch, as the
+  // first ones did, not one call each.
+  FERRY_REQUIRE_URING();
+  temp_dir dir;
+  fd_guard fd(open_file(dir.file("cached")));
+  constexpr std::size_t n = 16;
+  constexpr std::size_t block = 4096;
+  const std::vector<std::byte> data = byte_pattern(n * block, 11);
+  REQUIRE(::pwrite(fd.get(), data.data(), data.size(), 0) == static_cast<ssize_t>(data.size()));
+  struct split {
+    unsigned submit_batch;
+    std::uint64_t calls;  // for the first reads and the follow-ups together
+  };
+  for (const split& want : {split{0, 2}, split{2, 16}, split{1, 32}}) {
+    INFO("submit_batch " << want.submit_batch);
+    ferry::progress_executor exec;
+    uring::ring_options options;
+    options.submit_batch = want.submit_batch;
+    uring::ring r(exec, options);
+    ferry::fault_profile hold;
+    hold.hang_rate = 1.0;
+    ferry::fault_injector gate{exec, hold};
+    std::vector<std::byte> first(n * block), second(n * block);
+    std::vector<ferry::transfer> firsts(n), seconds(n);
+    std::atomic<std::size_t> started{0};
+    ferry::inline_scheduler on_executor;
+    const auto follow = [](uring::ring& r, int fd, ferry::inline_scheduler& s, ferry::transfer t,
+                           std::span<std::byte> dst, std::uint64_t at, ferry::transfer& next,
+                           std::atomic<std::size_t>& started) -> detached_inline {
+      const transfer_state st = co_await ferry::resume_on(s, t);
+      if (st == transfer_state::success) next = r.read(fd, dst, at);
+      started.fetch_add(1);
+    };
+    [](uring::ring& r, int fd, ferry::inline_scheduler& s, ferry::transfer kick, auto follow,
+       std::vector<std::byte>& first, std::vector<std::byte>& second,
+       std::vector<ferry::transfer>& firsts, std::vector<ferry::transfer>& seconds,
+       std::atomic<std::size_t>& started) -> detached_inline {
+      (void)co_await ferry::resume_on(s, kick);  // on the executor's thread from here
+      std::vector<uring::read_block> reads;
+      for (std::size_t i = 0; i < n; ++i) {
+        reads.push_back({std::span(first).subspan(i * block, block), i * block});
+      }
+      r.read_batch(fd, reads, firsts);
+      for (std::size_t i = 0; i < n; ++i) {
+        follow(r, fd, s, firsts[i], std::span(second).subspan(i * block, block),
+               (n - 1 - i) * block, seconds[i], started);
+      }
+    }(r, fd.get(), on_executor, gate.wrap(ferry::make_completed_transfer(transfer_state::success)),
+      follow, first, second, firsts, seconds, started);
+    REQUIRE(wait_until([&] { return gate.counters().hung == 1; }));
+    REQUIRE(gate.release_hung() == 1);
+    REQUIRE(wait_until([&] { return started.load() == n; }));
+    REQUIRE(ferry::wait_all(firsts, hang_bound).verdict == verdict::success);
+    REQUIRE(ferry::wait_all(seconds, hang_bound).verdict == verdict::success);
+    CHECK(first == data);
+    for (std::size_t i = 0; i < n; ++i) {
+      CHECK(std::equal(second.begin() + static_cast<std::ptrdiff_t>(i * block),
+                       second.begin() + static_cast<std::ptrdiff_t>((i + 1) * block),
+                       data.begin() + static_cast<std::ptrdiff_t>((n - 1 - i) * block)));
+    }
+    const uring::ring_counters c = r.counters();
+    REQUIRE(c.resubmitted == 0);
+    CHECK(c.submitted == 2 * n);
     CHECK(c.submit_calls == want.calls);
   }
 }
