@@ -37,6 +37,39 @@ int open_file(const std::string& path, int flags = O_RDWR | O_CREAT) {
 
 std::span<const std::byte> cview(const std::vector<std::byte>& v) { return v; }
 
+// A new file of n 4 KiB blocks, just written, so in the page cache.
+struct cached_blocks {
+  static constexpr std::size_t n = 16;
+  static constexpr std::size_t block = 4096;
+  temp_dir dir;
+  fd_guard fd{open_file(dir.file("blocks"))};
+  std::vector<std::byte> data;
+
+  explicit cached_blocks(unsigned seed) : data(byte_pattern(n * block, seed)) {
+    REQUIRE(::pwrite(fd.get(), data.data(), data.size(), 0) == static_cast<ssize_t>(data.size()));
+  }
+  // Reads of every block in order, into `dst` (n blocks long).
+  static std::vector<uring::read_block> reads_into(std::vector<std::byte>& dst) {
+    std::vector<uring::read_block> reads;
+    for (std::size_t i = 0; i < n; ++i) {
+      reads.push_back({std::span(dst).subspan(i * block, block), i * block});
+    }
+    return reads;
+  }
+};
+
+// A ring_options::submit_batch, and the submission calls a test expects with it.
+struct split {
+  unsigned submit_batch;
+  std::uint64_t calls;
+};
+
+uring::ring_options with_submit_batch(unsigned n) {
+  uring::ring_options options;
+  options.submit_batch = n;
+  return options;
+}
+
 }  // namespace
 
 TEST_CASE("uring: round trips are byte-exact at 4 KiB, 64 KiB and 1 MiB", "[uring][concurrency]") {
@@ -121,33 +154,19 @@ TEST_CASE("uring: batched reads and writes give one transfer per block", "[uring
 TEST_CASE("uring: one submission call carries at most submit_batch requests",
           "[uring][concurrency]") {
   FERRY_REQUIRE_URING();
-  temp_dir dir;
-  fd_guard fd(open_file(dir.file("chunks")));
-  constexpr std::size_t n = 16;
-  constexpr std::size_t block = 4096;
-  const std::vector<std::byte> data = byte_pattern(n * block, 3);
-  REQUIRE(::pwrite(fd.get(), data.data(), data.size(), 0) == static_cast<ssize_t>(data.size()));
+  cached_blocks file(3);
+  constexpr std::size_t n = cached_blocks::n;
   // A read_batch is published with one CAS, so the executor takes all of it in one round; only
   // submit_batch then splits it into calls.
-  struct split {
-    unsigned submit_batch;
-    std::uint64_t calls;
-  };
   for (const split& want : {split{1, 16}, split{2, 8}, split{5, 4}, split{0, 1}}) {
     INFO("submit_batch " << want.submit_batch);
     ferry::progress_executor exec;
-    uring::ring_options options;
-    options.submit_batch = want.submit_batch;
-    uring::ring r(exec, options);
-    std::vector<std::byte> back(n * block);
-    std::vector<uring::read_block> reads;
-    for (std::size_t i = 0; i < n; ++i) {
-      reads.push_back({std::span(back).subspan(i * block, block), i * block});
-    }
+    uring::ring r(exec, with_submit_batch(want.submit_batch));
+    std::vector<std::byte> back(file.data.size());
     std::vector<ferry::transfer> rt(n);
-    r.read_batch(fd.get(), reads, rt);
+    r.read_batch(file.fd.get(), cached_blocks::reads_into(back), rt);
     REQUIRE(ferry::wait_all(rt, hang_bound).verdict == verdict::success);
-    CHECK(back == data);
+    CHECK(back == file.data);
     const uring::ring_counters c = r.counters();
     REQUIRE(c.resubmitted == 0);  // a short read would add calls of its own
     CHECK(c.submitted == n);
@@ -163,22 +182,14 @@ TEST_CASE("uring: reads submitted by continuations resumed inline share calls of
   // resumed inline in that reap, makes one more read. Those go out in calls of submit_batch, as the
   // first ones did, not one call each.
   FERRY_REQUIRE_URING();
-  temp_dir dir;
-  fd_guard fd(open_file(dir.file("cached")));
-  constexpr std::size_t n = 16;
-  constexpr std::size_t block = 4096;
-  const std::vector<std::byte> data = byte_pattern(n * block, 11);
-  REQUIRE(::pwrite(fd.get(), data.data(), data.size(), 0) == static_cast<ssize_t>(data.size()));
-  struct split {
-    unsigned submit_batch;
-    std::uint64_t calls;  // for the first reads and the follow-ups together
-  };
+  cached_blocks file(11);
+  constexpr std::size_t n = cached_blocks::n;
+  constexpr std::size_t block = cached_blocks::block;
+  // Calls for the first reads and the follow-ups together.
   for (const split& want : {split{0, 2}, split{2, 16}, split{1, 32}}) {
     INFO("submit_batch " << want.submit_batch);
     ferry::progress_executor exec;
-    uring::ring_options options;
-    options.submit_batch = want.submit_batch;
-    uring::ring r(exec, options);
+    uring::ring r(exec, with_submit_batch(want.submit_batch));
     ferry::fault_profile hold;
     hold.hang_rate = 1.0;
     ferry::fault_injector gate{exec, hold};
@@ -198,27 +209,24 @@ TEST_CASE("uring: reads submitted by continuations resumed inline share calls of
        std::vector<ferry::transfer>& firsts, std::vector<ferry::transfer>& seconds,
        std::atomic<std::size_t>& started) -> detached_inline {
       (void)co_await ferry::resume_on(s, kick);  // on the executor's thread from here
-      std::vector<uring::read_block> reads;
-      for (std::size_t i = 0; i < n; ++i) {
-        reads.push_back({std::span(first).subspan(i * block, block), i * block});
-      }
-      r.read_batch(fd, reads, firsts);
+      r.read_batch(fd, cached_blocks::reads_into(first), firsts);
       for (std::size_t i = 0; i < n; ++i) {
         follow(r, fd, s, firsts[i], std::span(second).subspan(i * block, block),
                (n - 1 - i) * block, seconds[i], started);
       }
-    }(r, fd.get(), on_executor, gate.wrap(ferry::make_completed_transfer(transfer_state::success)),
-      follow, first, second, firsts, seconds, started);
+    }(r, file.fd.get(), on_executor,
+      gate.wrap(ferry::make_completed_transfer(transfer_state::success)), follow, first, second,
+      firsts, seconds, started);
     REQUIRE(wait_until([&] { return gate.counters().hung == 1; }));
     REQUIRE(gate.release_hung() == 1);
     REQUIRE(wait_until([&] { return started.load() == n; }));
     REQUIRE(ferry::wait_all(firsts, hang_bound).verdict == verdict::success);
     REQUIRE(ferry::wait_all(seconds, hang_bound).verdict == verdict::success);
-    CHECK(first == data);
+    CHECK(first == file.data);
     for (std::size_t i = 0; i < n; ++i) {
       CHECK(std::equal(second.begin() + static_cast<std::ptrdiff_t>(i * block),
                        second.begin() + static_cast<std::ptrdiff_t>((i + 1) * block),
-                       data.begin() + static_cast<std::ptrdiff_t>((n - 1 - i) * block)));
+                       file.data.begin() + static_cast<std::ptrdiff_t>((n - 1 - i) * block)));
     }
     const uring::ring_counters c = r.counters();
     REQUIRE(c.resubmitted == 0);
