@@ -167,7 +167,7 @@ TEST_CASE("hip: one slow copy counts as one executor completion", "[hip]") {
   REQUIRE(e.copy(a.data(), b.data(), 16, fh::copy_kind::device_to_device).wait_for(hang_bound) ==
           transfer_state::success);
   REQUIRE(ferry_test::wait_until([&] { return e.outstanding() == 0; }));
-  std::this_thread::sleep_for(2ms);
+  exec.sync();  // the round that completed the copy is over, and has stored its count
   CHECK(exec.counters().completions - before == 1);
 }
 
@@ -227,10 +227,11 @@ TEST_CASE("hip: a copy submitted from a continuation the destructor resumes is r
     fh::copy_engine_options o;
     o.streams = 2;
     engine e(exec, o);
+    // Take the executor out of the picture, before the copy exists, so the destructor is the one
+    // to complete `first` (what the destructor does first; calling it twice is harmless).
+    exec.remove_source(e);
     transfer first = e.copy_on(1, a.data(), b.data(), 16, fh::copy_kind::device_to_device);
-    // Take the executor out of the picture so the destructor is the one to complete `first`.
     submit_after(first, &e, &second, &resumed, a.data(), b.data());
-    exec.remove_source(e);  // (what the destructor does first; calling it twice is harmless)
   }
   REQUIRE(resumed.load());
   REQUIRE(second.valid());

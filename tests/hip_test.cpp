@@ -33,7 +33,7 @@ std::vector<std::byte> pattern(std::size_t n, int seed) {
 }  // namespace
 
 TEST_CASE("hip: a copy completes when its event does, with its bytes moved", "[hip]") {
-  copy_time slow(30ms);
+  copy_time slow(100ms);  // long enough that the copy is still out when looked at below
   ferry::progress_executor exec;
   engine e(exec);
   const auto src = pattern(4096, 1);
@@ -175,6 +175,10 @@ TEST_CASE("hip: a when_all over a layer's copies resumes on the engine's schedul
   std::vector<std::vector<std::byte>> dst(32, std::vector<std::byte>(8192));
   std::vector<transfer> layer;
   for (auto& d : dst) layer.push_back(e.copy(d.data(), src.data(), src.size(), fh::copy_kind::peer));
+  // A member that ends only once the waiter is suspended: the copies may all be done before it
+  // awaits, and then it would go on here, on this thread.
+  auto [last, last_done] = ferry::make_manual_transfer();
+  layer.push_back(last);
   std::atomic<bool> done{false}, ok{false}, on_engine{false};
   auto waiter = [&](ferry::run_loop&) -> ferry_test::detached {
     const ferry::batch_result r = co_await ferry::when_all(exec, std::span<const transfer>(layer), hang_bound);
@@ -183,6 +187,8 @@ TEST_CASE("hip: a when_all over a layer's copies resumes on the engine's schedul
     done = true;
   };
   waiter(eng.loop());
+  CHECK_FALSE(done.load());
+  (void)last_done.succeed();
   REQUIRE(ferry_test::wait_until([&] { return done.load(); }));
   CHECK(ok);
   CHECK(on_engine);

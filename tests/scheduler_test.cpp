@@ -94,11 +94,11 @@ TEST_CASE("run_loop: post, run_one, poll and stop", "[scheduler]") {
   CHECK(loop.poll() == 1);
   loop.stop();
   CHECK_FALSE(loop.run_one());  // the stop is consumed...
+  const auto start = clock_type::now();  // before the stopper's sleep can begin
   std::thread stopper([&] {
     std::this_thread::sleep_for(20ms);
     loop.stop();
   });
-  const auto start = clock_type::now();
   loop.run();  // ...so this run sleeps until the next stop
   stopper.join();
   CHECK(ms_since(start) >= 15);
@@ -218,13 +218,13 @@ TEST_CASE("run_loop: a stop racing with the loop going to sleep always ends run(
 TEST_CASE("run_loop: an idle loop's spin ends early for work and for stop", "[scheduler]") {
   // A spin far longer than the test: waiting it out would show as a hang.
   ferry::run_loop loop(std::chrono::seconds(30));
+  const auto start = clock_type::now();  // before the poster's first sleep can begin
   std::thread poster([&] {
     std::this_thread::sleep_for(20ms);
     loop.post(std::noop_coroutine());
     std::this_thread::sleep_for(20ms);
     loop.stop();
   });
-  const auto start = clock_type::now();
   CHECK(loop.run_one());
   CHECK_FALSE(loop.run_one());
   poster.join();
@@ -365,12 +365,13 @@ TEST_CASE("resume_on overrides the promise's scheduler for one await", "[schedul
   std::atomic<std::thread::id> after_batch{};
   [](ferry::run_loop& la, ferry::run_loop& lb, std::vector<ferry::transfer>& v,
      std::atomic<std::thread::id>& where, std::atomic<bool>& fin) -> detached {
-    co_await hop{la};
+    // Suspends here, on this thread, with the batch certainly pending: its one member completes
+    // only below. Without the override it would resume on la, the promise's scheduler.
+    (void)la;
     const auto r = co_await ferry::resume_on(lb, ferry::when_all(v, std::chrono::seconds(10)));
     if (r.ok()) where.store(std::this_thread::get_id());
     fin.store(true);
   }(a.loop(), b.loop(), ts, after_batch, done);
-  std::this_thread::sleep_for(5ms);
   c.succeed();
   while (!done.load()) std::this_thread::yield();
   CHECK(after_batch.load() == b.id());

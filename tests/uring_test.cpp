@@ -196,27 +196,33 @@ TEST_CASE("uring: reads submitted by continuations resumed inline share calls of
     std::vector<std::byte> first(n * block), second(n * block);
     std::vector<ferry::transfer> firsts(n), seconds(n);
     std::atomic<std::size_t> started{0};
+    // What ring::counters().completed said as each continuation ran: the ring adds a reap's
+    // completions after the reap, so one value for all means one reap resumed them all.
+    std::vector<std::atomic<std::uint64_t>> completed_before(n);
     ferry::inline_scheduler on_executor;
     const auto follow = [](uring::ring& r, int fd, ferry::inline_scheduler& s, ferry::transfer t,
                            std::span<std::byte> dst, std::uint64_t at, ferry::transfer& next,
+                           std::atomic<std::uint64_t>& completed_before,
                            std::atomic<std::size_t>& started) -> detached_inline {
       const transfer_state st = co_await ferry::resume_on(s, t);
+      completed_before.store(r.counters().completed);
       if (st == transfer_state::success) next = r.read(fd, dst, at);
       started.fetch_add(1);
     };
     [](uring::ring& r, int fd, ferry::inline_scheduler& s, ferry::transfer kick, auto follow,
        std::vector<std::byte>& first, std::vector<std::byte>& second,
        std::vector<ferry::transfer>& firsts, std::vector<ferry::transfer>& seconds,
+       std::vector<std::atomic<std::uint64_t>>& completed_before,
        std::atomic<std::size_t>& started) -> detached_inline {
       (void)co_await ferry::resume_on(s, kick);  // on the executor's thread from here
       r.read_batch(fd, cached_blocks::reads_into(first), firsts);
       for (std::size_t i = 0; i < n; ++i) {
         follow(r, fd, s, firsts[i], std::span(second).subspan(i * block, block),
-               (n - 1 - i) * block, seconds[i], started);
+               (n - 1 - i) * block, seconds[i], completed_before[i], started);
       }
     }(r, file.fd.get(), on_executor,
       gate.wrap(ferry::make_completed_transfer(transfer_state::success)), follow, first, second,
-      firsts, seconds, started);
+      firsts, seconds, completed_before, started);
     REQUIRE(wait_until([&] { return gate.counters().hung == 1; }));
     REQUIRE(gate.release_hung() == 1);
     REQUIRE(wait_until([&] { return started.load() == n; }));
@@ -231,7 +237,17 @@ TEST_CASE("uring: reads submitted by continuations resumed inline share calls of
     const uring::ring_counters c = r.counters();
     REQUIRE(c.resubmitted == 0);
     CHECK(c.submitted == 2 * n);
-    CHECK(c.submit_calls == want.calls);
+    const std::uint64_t first_seen = completed_before[0].load();
+    const bool one_reap = std::all_of(completed_before.begin(), completed_before.end(),
+                                      [&](const auto& v) { return v.load() == first_seen; });
+    if (one_reap) {
+      CHECK(c.submit_calls == want.calls);
+    } else {
+      // The kernel did not complete the reads inside the call that submitted them (a file system
+      // that hands buffered reads to its workers, such as tmpfs): they came back in several reaps.
+      WARN("the first reads came back in several reaps, not one (file system under "
+           << file.dir.file("") << "); submission calls not checked");
+    }
   }
 }
 
@@ -431,6 +447,8 @@ TEST_CASE("uring: short reads and writes are continued for the remainder", "[uri
   ferry::transfer t = r.read(rd.get(), buf, uring::current_position);
   // The pipe delivers the block in three pieces, so the kernel completes the read short twice.
   for (int i = 0; i < 3; ++i) {
+    // The previous piece has been taken and the rest asked for again, so this one comes alone.
+    REQUIRE(wait_until([&] { return r.counters().resubmitted >= static_cast<std::uint64_t>(i); }));
     std::this_thread::sleep_for(20ms);
     CHECK(t.state() == transfer_state::pending);
     REQUIRE(::write(wr.get(), data.data() + i * 1000, 1000) == 1000);
@@ -501,8 +519,11 @@ TEST_CASE("uring: submissions beyond the completion queue wait instead of overfl
 
   constexpr std::size_t n = 2000;
   std::vector<std::vector<std::byte>> bufs(n, std::vector<std::byte>(32));
-  std::vector<ferry::transfer> ts;
-  for (std::size_t i = 0; i < n; ++i) ts.push_back(r.read(fd.get(), bufs[i], (i * 32) % data.size()));
+  // Published at once (one CAS), so the executor takes them all in one round, far more than fit.
+  std::vector<uring::read_block> reads;
+  for (std::size_t i = 0; i < n; ++i) reads.push_back({bufs[i], (i * 32) % data.size()});
+  std::vector<ferry::transfer> ts(n);
+  r.read_batch(fd.get(), reads, ts);
   REQUIRE(ferry::wait_all(ts, hang_bound).verdict == verdict::success);
   for (std::size_t i = 0; i < n; ++i) {
     const auto off = static_cast<std::ptrdiff_t>((i * 32) % data.size());

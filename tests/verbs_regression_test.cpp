@@ -128,7 +128,7 @@ TEST_CASE("verbs: a continuation resumed inline reuses at once the slot of the t
   REQUIRE(ferry_test::wait_until([&] { return done.load(); }));
   CHECK(on_executor);
   INFO("the second write waited " << waited_ms << " ms on the executor thread");
-  CHECK(waited_ms < 100);
+  CHECK(waited_ms < 300);  // the admission timeout, which the bug waited out
   CHECK(second.wait_for(hang_bound) == transfer_state::success);
   CHECK(second.error() != ferry::errc::submission_queue_full);
 }
@@ -217,7 +217,9 @@ TEST_CASE("verbs: flushing a large failed batch costs linear time", "[verbs]") {
     ms = ferry_test::ms_since(start);
   }
   INFO("16384 flush completions took " << ms << " ms to handle");
-  CHECK(ms < 1000);  // linear: tens of ms; it took seconds when each flush walked the whole batch
+  // Linear: tens of ms; it took seconds when each flush walked the whole batch. Room for a loaded
+  // machine and the sanitizer builds.
+  CHECK(ms < 3000);
 }
 
 
@@ -388,7 +390,8 @@ TEST_CASE("verbs: a request whose deadline passed keeps that reason when the dev
   paused_fabric pause;  // the adapter holds the WRITE and never flushes it
   transfer t = r->a_qp->write(r->a_mem->slice(0, 64), r->b_mem->remote().slice(0, 64), 30ms);
   REQUIRE(ferry_test::wait_until([&] { return r->a->counters().work_requests_posted >= 1; }));
-  std::this_thread::sleep_for(60ms);  // expired, waiting for its flush
+  // Expired, waiting for its flush: the expiry has taken the queue pair down.
+  REQUIRE(ferry_test::wait_until([&] { return static_cast<bool>(r->a_qp->error()); }));
   r.reset();
   REQUIRE(t.state() == transfer_state::failed);
   CHECK(t.error() == fv::errc::deadline_exceeded);

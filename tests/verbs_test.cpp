@@ -142,11 +142,11 @@ TEST_CASE("verbs: a full send queue backs off until room frees, or fails at the 
     std::vector<transfer> first = post_writes(r, 4);
     CHECK(r.a_qp->send_credits() == 0);
     CHECK_FALSE(r.a_qp->try_write(r.a_mem->slice(0, 64), r.b_mem->remote().slice(0, 64)).has_value());
+    const auto start = ferry_test::clock_type::now();  // before the resumer's sleep can begin
     std::thread resumer([&] {
       std::this_thread::sleep_for(50ms);
       pause.resume();
     });
-    const auto start = ferry_test::clock_type::now();
     transfer fifth = r.a_qp->write(r.a_mem->slice(512, 64), r.b_mem->remote().slice(512, 64));
     resumer.join();
     CHECK(ferry_test::ms_since(start) >= 40);  // it did wait for room
