@@ -83,9 +83,9 @@ inline void cpu_relax() noexcept {
 // can) otherwise waits for the spin to end. On a two-vCPU machine that happened in nearly every
 // burst of disk reads: the engine thread, woken by the executor, sat behind the executor's spin, and
 // the executor behind the engine thread's (the io_uring benchmark at depth 32: 0.80x-0.81x of fio
-// with a plain spin, 0.94x-0.97x with this). With nothing else ready, sched_yield returns at once (about 0.7 us
-// there), so it is paced rather than made every step: at every step, the executor-thread runner at
-// depth 1 lost a tenth of its rate.
+// with a plain spin, 0.94x-0.97x with this). With nothing else ready, sched_yield returns at once
+// (about 0.7 us there), so it is paced rather than made every step: at every step, the
+// executor-thread runner at depth 1 lost a tenth of its rate.
 class idle_spin {
  public:
   static constexpr std::chrono::nanoseconds offer_every = std::chrono::microseconds(5);
