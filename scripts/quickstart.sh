@@ -8,14 +8,15 @@ set -eu
 cd "$(dirname "$0")/.."
 
 mode=${1:-}
-# One set-up for both: everything either command uses. The tests add the second compiler, Catch2
-# and CMake (for the installed-package check).
+# One set-up for both: everything either command uses. The tests add the second compiler, Catch2,
+# CMake (for the installed-package check) and debootstrap (for the fresh-root-demo test).
 packages="g++ meson ninja-build pkg-config liburing-dev libibverbs-dev libamdhip64-dev fio"
 case "$mode" in
   demo) ;;
-  test) packages="$packages clang catch2 cmake" ;;
+  test) packages="$packages clang catch2 cmake debootstrap" ;;
   *) echo "usage: $0 demo|test" >&2; exit 2 ;;
 esac
+echo "ferry quick start: scripts/quickstart.sh $mode"
 
 missing=""
 for p in $packages; do
@@ -26,6 +27,7 @@ if [ -n "$missing" ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing
 fi
+echo "set-up: every package present: $packages"
 
 jobs=$(nproc)
 if [ "$mode" = demo ]; then
