@@ -475,6 +475,16 @@ double median_of(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
+// Per-pass ratios as their median to two places, `opening`, then their range and ")":
+// "0.97x (passes 0.90-1.05)" with opening "x (passes ".
+std::string median_and_range(std::vector<double> v, const char* opening) {
+  std::sort(v.begin(), v.end());
+  char out[96];
+  std::snprintf(out, sizeof out, "%.2f%s%.2f-%.2f)", median_of(v), opening,
+                v.empty() ? 0.0 : v.front(), v.empty() ? 0.0 : v.back());
+  return out;
+}
+
 // Why io_uring cannot be used here, or an empty string.
 std::string uring_unavailable() {
   io_uring probe{};
@@ -531,14 +541,7 @@ void run_uring_cached(const options& opt, bool fio) {
           raw_fio.push_back(re / ff);
         }
       });
-  const auto ratio = [](const std::vector<double>& v) {
-    char out[96];
-    std::vector<double> sorted = v;
-    std::sort(sorted.begin(), sorted.end());
-    std::snprintf(out, sizeof out, "%.2f (%.2f-%.2f)", median_of(v),
-                  sorted.empty() ? 0.0 : sorted.front(), sorted.empty() ? 0.0 : sorted.back());
-    return std::string(out);
-  };
+  const auto ratio = [](const std::vector<double>& v) { return median_and_range(v, " ("); };
   std::printf("\n## io_uring 4 KiB random reads at QD 32 from the page cache (%zu MiB file read "
               "into the cache first, buffered; medians over %d passes of %.1f s per runner; ratios "
               "are medians of the ratios within each pass, with their range)\n\n",
@@ -695,12 +698,8 @@ void run_uring(const options& opt) {
                 median_text(co_raw_each).c_str(), median_text(inl_raw_each).c_str(),
                 fio ? median_text(co_fio).c_str() : "-", fio ? median_text(inl_fio).c_str() : "-");
     if (target_row) {
-      auto spread = [&](std::vector<double> paired) {
-        std::sort(paired.begin(), paired.end());
-        char out[96];
-        std::snprintf(out, sizeof out, "%sx (passes %.2f-%.2f)", median_text(paired).c_str(),
-                      paired.empty() ? 0.0 : paired.front(), paired.empty() ? 0.0 : paired.back());
-        return std::string(out);
+      auto spread = [](const std::vector<double>& paired) {
+        return median_and_range(paired, "x (passes ");
       };
       report_target("io_uring 4 KiB random reads, QD 32, co_await on an engine thread: >= 95% of "
                     "raw liburing", spread(co_raw), !co_raw.empty() && median_of(co_raw) >= 0.95);
