@@ -592,20 +592,24 @@ void run_uring(const options& opt) {
   };
   ferry::progress_executor exec;
   uring::ring r(exec, uring::ring_options{.entries = 256});
-  // The same runners with longer idle spins, for the QD 32 row: reads there finish in bursts about
-  // 250 us apart, longer than the default 50 us spins, so with the defaults the executor parks and
-  // the engine thread sleeps between bursts, and each burst starts with waking them.
-  const auto tuned_executor_spin = std::chrono::microseconds(500);
-  const auto tuned_loop_spin = std::chrono::milliseconds(1);
-  ferry::executor_options tuned_options;
-  tuned_options.spin_budget = tuned_executor_spin;
-  ferry::progress_executor tuned_exec(tuned_options);
-  uring::ring tuned_r(tuned_exec, uring::ring_options{.entries = 256});
-  // What the QD 32 row also records: the longer-spin runners and the CPUs every runner kept busy.
-  struct spin_rows {
-    std::vector<double> co, inl, co_fio, inl_fio;
-    std::vector<double> co_cpu, inl_cpu, default_co_cpu, default_inl_cpu, fio_cpu;
-  } spins;
+  // The QD 32 row also runs the same runners under other idle spins. Reads there finish in bursts
+  // about 250 us apart, longer than the executor's 50 us spin_budget: by default it spins through
+  // the gaps anyway while reads are out (in_flight_spin, 500 us), and the engine thread's run_loop
+  // sleeps after its 50 us. `parking_r`'s executor parks after 50 us even with reads out, as it did
+  // before in_flight_spin, so each burst starts with waking it; `long_loop_spin` keeps the engine
+  // thread looking too.
+  ferry::executor_options parking_options;
+  parking_options.in_flight_spin = parking_options.spin_budget;
+  ferry::progress_executor parking_exec(parking_options);
+  uring::ring parking_r(parking_exec, uring::ring_options{.entries = 256});
+  const auto long_loop_spin = std::chrono::milliseconds(1);
+  // What the QD 32 row also records: each set-up's runners (engine thread, executor thread), their
+  // ratios to fio in the same pass, and the CPUs each kept busy.
+  struct spin_row {
+    std::vector<double> co, inl, co_fio, inl_fio, co_cpu, inl_cpu;
+  };
+  spin_row defaults, parking, long_loop;
+  std::vector<double> fio_cpu;
   std::string spin_table;  // printed under the main table
   for (const workload& w : loads) {
     std::vector<double> co, inl, blocking, raw, raw_each, fi;
@@ -616,20 +620,20 @@ void run_uring(const options& opt) {
     const bool target_row = w.depth == 32 && w.random;
     const int n = target_row ? target_passes : passes;
     // Every runner sets its result once per pass, so none is carried over from the pass before.
-    double c = 0, i = 0, b = 0, rr = 0, re = 0, ff = 0, tc = 0, ti = 0;
+    double c = 0, i = 0, b = 0, rr = 0, re = 0, ff = 0, pc = 0, pi = 0, lc = 0;
     // The runners go in a new shuffled order every pass, so that none always runs right after
     // fio's process, next to the same neighbour, or first after a quiet spell.
     in_shuffled_passes(
-        target_row ? 8 : 6, n,
+        target_row ? 9 : 6, n,
         [&](std::size_t runner) {
           switch (runner) {
             case 0:
-              c = target_row ? with_cpu(spins.default_co_cpu,
+              c = target_row ? with_cpu(defaults.co_cpu,
                                         [&] { return ferry_coroutines(r, f, w, seconds); })
                              : ferry_coroutines(r, f, w, seconds);
               break;
             case 1:
-              i = target_row ? with_cpu(spins.default_inl_cpu,
+              i = target_row ? with_cpu(defaults.inl_cpu,
                                         [&] { return ferry_inline(r, f, w, seconds); })
                              : ferry_inline(r, f, w, seconds);
               break;
@@ -639,16 +643,20 @@ void run_uring(const options& opt) {
             case 5: {
               double cpu = 0;
               ff = fio ? fio_iops(f, w, seconds, &cpu) : 0;
-              if (target_row && ff > 0) spins.fio_cpu.push_back(cpu);
+              if (target_row && ff > 0) fio_cpu.push_back(cpu);
               break;
             }
             case 6:
-              tc = with_cpu(spins.co_cpu, [&] {
-                return ferry_coroutines(tuned_r, f, w, seconds, tuned_loop_spin);
-              });
+              pc = with_cpu(parking.co_cpu,
+                            [&] { return ferry_coroutines(parking_r, f, w, seconds); });
+              break;
+            case 7:
+              pi = with_cpu(parking.inl_cpu, [&] { return ferry_inline(parking_r, f, w, seconds); });
               break;
             default:
-              ti = with_cpu(spins.inl_cpu, [&] { return ferry_inline(tuned_r, f, w, seconds); });
+              lc = with_cpu(long_loop.co_cpu, [&] {
+                return ferry_coroutines(r, f, w, seconds, long_loop_spin);
+              });
               break;
           }
         },
@@ -672,11 +680,17 @@ void run_uring(const options& opt) {
             inl_fio.push_back(i / ff);
           }
           if (target_row) {
-            spins.co.push_back(tc);
-            spins.inl.push_back(ti);
+            defaults.co.push_back(c);
+            defaults.inl.push_back(i);
+            parking.co.push_back(pc);
+            parking.inl.push_back(pi);
+            long_loop.co.push_back(lc);
             if (ff > 0) {
-              spins.co_fio.push_back(tc / ff);
-              spins.inl_fio.push_back(ti / ff);
+              defaults.co_fio.push_back(c / ff);
+              defaults.inl_fio.push_back(i / ff);
+              parking.co_fio.push_back(pc / ff);
+              parking.inl_fio.push_back(pi / ff);
+              long_loop.co_fio.push_back(lc / ff);
             }
           }
         });
@@ -721,32 +735,41 @@ void run_uring(const options& opt) {
       }
       char line[512];
       std::snprintf(line, sizeof line,
-                    "\nQD 32 with the default idle spins (executor %lld us, run_loop %lld us) and "
-                    "with longer ones (executor %lld us, run_loop %lld us), in the same passes; "
-                    "CPUs is the process's CPU time per second of the run:\n\n| idle spins | "
-                    "engine thread | executor thread | engine / fio | executor / fio | CPUs (engine "
-                    "/ executor) |\n|---|---|---|---|---|---|\n",
-                    static_cast<long long>(ferry::executor_options{}.spin_budget.count() / 1000),
-                    static_cast<long long>(ferry::run_loop::default_spin.count() / 1000),
-                    static_cast<long long>(tuned_executor_spin.count()),
-                    static_cast<long long>(tuned_loop_spin.count() * 1000));
+                    "\nQD 32 under other idle spins, in the same passes; CPUs is the process's CPU "
+                    "time per second of the run:\n\n| idle spins | engine thread | executor "
+                    "thread | engine / fio | executor / fio | CPUs (engine / executor) |\n"
+                    "|---|---|---|---|---|---|\n");
       spin_table = line;
-      std::snprintf(line, sizeof line, "| default | %s | %s | %s | %s | %s / %s |\n",
-                    show(median_of(co)).c_str(), show(median_of(inl)).c_str(),
-                    fio ? median_text(co_fio).c_str() : "-",
-                    fio ? median_text(inl_fio).c_str() : "-",
-                    median_text(spins.default_co_cpu).c_str(),
-                    median_text(spins.default_inl_cpu).c_str());
-      spin_table += line;
-      std::snprintf(line, sizeof line, "| longer | %s | %s | %s | %s | %s / %s |\n",
-                    show(median_of(spins.co)).c_str(), show(median_of(spins.inl)).c_str(),
-                    fio ? median_text(spins.co_fio).c_str() : "-",
-                    fio ? median_text(spins.inl_fio).c_str() : "-",
-                    median_text(spins.co_cpu).c_str(), median_text(spins.inl_cpu).c_str());
-      spin_table += line;
+      auto add_row = [&](const char* name, const spin_row& row) {
+        auto text = [&](const std::vector<double>& v, bool ratio) {
+          if (v.empty() || (ratio && !fio)) return std::string("-");
+          return ratio ? median_text(v) : show(median_of(v));
+        };
+        std::snprintf(line, sizeof line, "| %s | %s | %s | %s | %s | %s / %s |\n", name,
+                      text(row.co, false).c_str(), text(row.inl, false).c_str(),
+                      text(row.co_fio, true).c_str(), text(row.inl_fio, true).c_str(),
+                      row.co_cpu.empty() ? "-" : median_text(row.co_cpu).c_str(),
+                      row.inl_cpu.empty() ? "-" : median_text(row.inl_cpu).c_str());
+        spin_table += line;
+      };
+      std::snprintf(line, sizeof line,
+                    "default: executor %lld us, %lld us while reads are out; run_loop %lld us",
+                    static_cast<long long>(ferry::executor_options{}.spin_budget.count() / 1000),
+                    static_cast<long long>(ferry::executor_options{}.in_flight_spin.count() / 1000),
+                    static_cast<long long>(ferry::run_loop::default_spin.count() / 1000));
+      const std::string default_name = line;
+      add_row(default_name.c_str(), defaults);
+      std::snprintf(line, sizeof line, "executor %lld us even while reads are out",
+                    static_cast<long long>(parking_options.in_flight_spin.count() / 1000));
+      const std::string parking_name = line;
+      add_row(parking_name.c_str(), parking);
+      std::snprintf(line, sizeof line, "run_loop %lld us",
+                    static_cast<long long>(long_loop_spin.count() * 1000));
+      const std::string long_name = line;
+      add_row(long_name.c_str(), long_loop);
       if (fio) {
         std::snprintf(line, sizeof line, "\nfio's job kept %s CPUs busy in the same passes.\n",
-                      median_text(spins.fio_cpu).c_str());
+                      median_text(fio_cpu).c_str());
         spin_table += line;
       }
     }

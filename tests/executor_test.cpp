@@ -84,6 +84,34 @@ class gate_source {
   std::atomic<bool> released_{false};
 };
 
+// A source like a disk's ring: in_flight() says a device holds work that finishes on its own.
+// set_in_flight() also hands the executor one piece of work, so that its idle spin starts again.
+class device_source {
+ public:
+  explicit device_source(ferry::progress_executor& e) : exec_(e) { exec_.add_source(*this); }
+  ~device_source() { exec_.remove_source(*this); }
+
+  void set_in_flight(bool out) {
+    out_.store(out);
+    kicks_.fetch_add(1);
+    exec_.notify();
+  }
+  std::uint64_t handled() const { return handled_.load(); }
+
+  std::size_t poll(std::size_t) {
+    if (kicks_.load() == handled_.load()) return 0;
+    handled_.fetch_add(1);
+    return 1;
+  }
+  bool in_flight() const { return out_.load(); }
+
+ private:
+  ferry::progress_executor& exec_;
+  std::atomic<bool> out_{false};
+  std::atomic<std::uint64_t> kicks_{0};
+  std::atomic<std::uint64_t> handled_{0};
+};
+
 // A source like a GPU copy engine: nothing signals its completions, so the executor must not sleep
 // while it is busy(). Each piece of work is done a set time after it was handed over, and only a
 // poll finds it. submit_during_next_busy_check() hands work over from inside the executor's next
@@ -193,6 +221,42 @@ TEST_CASE("an executor parks when idle and its timers still fire", "[executor][c
   CHECK(wait_until([&] { return exec.counters().timers_fired == 1; }));
 }
 
+TEST_CASE("adaptive: while a source has I/O in flight the executor spins for in_flight_spin, not "
+          "spin_budget", "[executor][concurrency]") {
+  ferry::executor_options options;
+  options.spin_budget = 0ns;
+  options.in_flight_spin = std::chrono::hours(1);
+  ferry::progress_executor exec(options);
+  device_source source(exec);
+  // Nothing out: it parks as soon as a round finds nothing.
+  REQUIRE(wait_until([&] { return exec.counters().parks >= 1; }));
+  source.set_in_flight(true);
+  REQUIRE(wait_until([&] { return source.handled() == 1; }));
+  // From the round that handled that work on, it spins: its rounds go on, and it never sleeps.
+  const auto before = exec.counters();
+  std::this_thread::sleep_for(100ms);
+  const auto after = exec.counters();
+  CHECK(after.parks == before.parks);
+  CHECK(after.rounds > before.rounds + 10);
+  // Nothing out any more: it parks again.
+  source.set_in_flight(false);
+  CHECK(wait_until([&] { return exec.counters().parks > after.parks; }));
+
+  // With in_flight_spin no longer than spin_budget, I/O out changes nothing.
+  ferry::executor_options short_spin;
+  short_spin.spin_budget = 0ns;
+  short_spin.in_flight_spin = 0ns;
+  ferry::progress_executor parking(short_spin);
+  device_source out(parking);
+  REQUIRE(wait_until([&] { return parking.counters().parks >= 1; }));
+  out.set_in_flight(true);
+  REQUIRE(wait_until([&] { return out.handled() == 1; }));
+  // It may have parked already; a wake-up makes it go round and park again.
+  const auto parks = parking.counters().parks;
+  parking.notify();
+  CHECK(wait_until([&] { return parking.counters().parks > parks; }));
+}
+
 TEST_CASE("after remove_source returns the executor never calls the source again",
           "[executor][concurrency]") {
   ferry::executor_options options;
@@ -246,4 +310,8 @@ TEST_CASE("executor options are checked", "[executor]") {
   ferry::executor_options negative;
   negative.spin_budget = std::chrono::nanoseconds(-1);
   CHECK_THROWS_WITH(ferry::progress_executor(negative), Catch::Contains("spin_budget"));
+  ferry::executor_options negative_in_flight;
+  negative_in_flight.in_flight_spin = std::chrono::nanoseconds(-1);
+  CHECK_THROWS_WITH(ferry::progress_executor(negative_in_flight),
+                    Catch::Contains("in_flight_spin must not be negative"));
 }

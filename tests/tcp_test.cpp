@@ -210,6 +210,31 @@ TEST_CASE("tcp: framed blocks arrive byte-exact, in order, with their ids", "[tc
   }
 }
 
+TEST_CASE("tcp: a receive waiting on its peer lets an adaptive executor sleep",
+          "[tcp][concurrency]") {
+  FERRY_REQUIRE_URING();
+  std::vector<std::byte> dst(4096);  // before the ring, which may still write it when it goes
+  uring::received_block got;
+  ferry::executor_options options;
+  options.spin_budget = 0ns;
+  options.in_flight_spin = std::chrono::hours(1);  // for file I/O; receives must not count
+  ferry::progress_executor exec(options);
+  uring::ring r(exec);
+  connected_pair c(r);
+  ferry::transfer t = c.server.receive(dst, got);
+  REQUIRE(wait_until([&] { return r.counters().submitted >= 1; }));
+  // It may have parked already; a wake-up makes it go round and park again, unless it counts the
+  // receive as I/O in flight and spins.
+  const auto parks = exec.counters().parks;
+  exec.notify();
+  CHECK(wait_until([&] { return exec.counters().parks > parks; }));
+  const auto payload = byte_pattern(4096, 9);
+  REQUIRE(c.client.send(7, payload).wait_for(hang_bound) == transfer_state::success);
+  REQUIRE(t.wait_for(hang_bound) == transfer_state::success);
+  CHECK(got.id == 7);
+  CHECK(std::equal(payload.begin(), payload.end(), dst.begin()));
+}
+
 TEST_CASE("tcp: many blocks both ways at once", "[tcp][concurrency]") {
   FERRY_REQUIRE_URING();
   ferry::progress_executor exec;

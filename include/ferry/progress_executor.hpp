@@ -42,13 +42,20 @@ namespace ferry {
 
 enum class progress_mode {
   busy,      // spins forever: lowest latency, one core
-  adaptive,  // spins for spin_budget after the last work, then parks
+  adaptive,  // spins for spin_budget after the last work (in_flight_spin while I/O is out), then
+             // parks
   park,      // parks as soon as a round finds nothing
 };
 
 struct executor_options {
   progress_mode mode = progress_mode::adaptive;
   std::chrono::nanoseconds spin_budget = std::chrono::microseconds(50);
+  // Adaptive mode, while a source has I/O out that a device finishes on its own (a disk read): spin
+  // this long after the last work instead. Such completions come within a device's latency, often in
+  // bursts a few hundred microseconds apart, and a parked thread takes tens of microseconds to wake
+  // on a loaded or virtual machine: every burst would wait for that before its reads are replaced.
+  // Costs a CPU while such I/O flows; set it to spin_budget (or 0) to spin no longer than that.
+  std::chrono::nanoseconds in_flight_spin = std::chrono::microseconds(500);
   std::size_t poll_budget = 256;  // completions one source may handle per round
   int cpu = -1;                   // pin the thread to this CPU; -1 leaves it unpinned
 };
@@ -81,6 +88,14 @@ concept armable_source = requires(S& s) {
   { s.arm() } -> std::convertible_to<bool>;
 };
 
+// A source that knows when it has I/O out that a device finishes on its own, without waiting on a
+// peer (file reads and writes, not socket receives): while in_flight(), adaptive mode spins for
+// executor_options::in_flight_spin rather than spin_budget before parking.
+template <class S>
+concept in_flight_source = requires(const S& s) {
+  { s.in_flight() } -> std::convertible_to<bool>;
+};
+
 // A source whose completions nothing can signal (GPU events): while busy() it has work out that
 // only polling will find, and the executor does not park.
 template <class S>
@@ -99,6 +114,9 @@ class progress_executor {
     }
     if (options_.spin_budget < std::chrono::nanoseconds::zero()) {
       throw std::invalid_argument("ferry::executor_options::spin_budget must not be negative");
+    }
+    if (options_.in_flight_spin < std::chrono::nanoseconds::zero()) {
+      throw std::invalid_argument("ferry::executor_options::in_flight_spin must not be negative");
     }
     wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (wake_fd_ < 0) throw std::system_error(errno, std::system_category(), "ferry: eventfd");
@@ -161,6 +179,9 @@ class progress_executor {
     }
     if constexpr (busy_source<S>) {
       e.busy = [](const void* o) -> bool { return static_cast<const S*>(o)->busy(); };
+    }
+    if constexpr (in_flight_source<S>) {
+      e.in_flight = [](const void* o) -> bool { return static_cast<const S*>(o)->in_flight(); };
     }
     if constexpr (parkable_source<S>) e.fd = static_cast<int>(source.park_fd());
     if (e.fd >= 0) {
@@ -257,6 +278,7 @@ class progress_executor {
     std::size_t (*poll)(void*, std::size_t) = nullptr;
     bool (*arm)(void*) = nullptr;
     bool (*busy)(const void*) = nullptr;
+    bool (*in_flight)(const void*) = nullptr;
     int fd = -1;
   };
 
@@ -335,18 +357,23 @@ class progress_executor {
         spin.step(detail::clock::now());
         continue;
       }
+      // Adaptive mode, still within in_flight_spin of the last work: neither spin past nor sleep
+      // with I/O out that a device finishes on its own.
+      bool spin_in_flight = false;
       if (options_.mode == progress_mode::adaptive) {
         const auto now = detail::clock::now();
         if (!idle) {
           idle = true;
           idle_since = now;
         }
-        if (now - idle_since < options_.spin_budget) {
+        const auto idle_for = now - idle_since;
+        spin_in_flight = idle_for < options_.in_flight_spin;
+        if (idle_for < options_.spin_budget || (spin_in_flight && any_in_flight())) {
           spin.step(now);
           continue;
         }
       }
-      const std::size_t late = park(seen_generation);
+      const std::size_t late = park(seen_generation, spin_in_flight);
       if (late != 0) {
         completions += late;
         completions_.store(completions, std::memory_order_relaxed);
@@ -384,6 +411,13 @@ class progress_executor {
     return false;
   }
 
+  [[nodiscard]] bool any_in_flight() const noexcept {
+    for (const source_entry& e : round_sources_) {
+      if (e.in_flight != nullptr && e.in_flight(e.object)) return true;
+    }
+    return false;
+  }
+
   std::size_t fire_timers() noexcept {
     if (timers_.empty()) return 0;
     const std::size_t fired = timers_.fire_expired(detail::clock::now());
@@ -392,8 +426,9 @@ class progress_executor {
   }
 
   // Returns completions found by the last look before sleeping (then it does not sleep).
-  // `seen_generation`: the source list round_sources_ was copied from.
-  std::size_t park(std::uint64_t seen_generation) {
+  // `seen_generation`: the source list round_sources_ was copied from. `spin_in_flight`: do not
+  // sleep if the last look put I/O in flight (a submission taken just now); spin instead.
+  std::size_t park(std::uint64_t seen_generation, bool spin_in_flight) {
     parked_.store(true, std::memory_order_relaxed);
     // Pairs with the fence in notify().
     detail::full_barrier();
@@ -410,8 +445,10 @@ class progress_executor {
     }
     // A poll-only source handed work after this round's busy check: its notify() came before the
     // announcement and woke nobody, and the look above found the work unfinished. Nothing will
-    // signal it, so keep polling.
-    if (late != 0 || any_busy() || stop_.load(std::memory_order_acquire) ||
+    // signal it, so keep polling. And a submission the last look took may have put I/O in flight,
+    // which adaptive mode spins for.
+    if (late != 0 || any_busy() || (spin_in_flight && any_in_flight()) ||
+        stop_.load(std::memory_order_acquire) ||
         timers_.next_deadline() <= detail::clock::now()) {
       parked_.store(false, std::memory_order_relaxed);
       return late;

@@ -592,6 +592,11 @@ class ring {
 
   [[nodiscard]] int park_fd() const noexcept { return deferred_ ? due_fd_ : ring_.ring_fd; }
 
+  // The executor's side: whether the kernel holds work that finishes without a peer (file reads and
+  // writes, sends), so that the executor spins for executor_options::in_flight_spin before parking.
+  // Receives wait on a peer for as long as it takes and do not count.
+  [[nodiscard]] bool in_flight() const noexcept { return in_flight_.size() > receives_in_flight_; }
+
   // Before the executor sleeps on due_fd_. The kernel signals it only while it is switched on
   // (signalling costs a wake-up call in the kernel per completion run), and only when the first of
   // a run of deferred completions is queued, which may have come before the switch. So: switch it
