@@ -86,6 +86,8 @@ class gate_source {
 
 // A source like a disk's ring: in_flight() says a device holds work that finishes on its own.
 // set_in_flight() also hands the executor one piece of work, so that its idle spin starts again.
+// go_in_flight_at_next_arm() stands for a submission that the executor's last look before sleeping
+// takes: arm(), which the executor calls after that look, puts I/O in flight.
 class device_source {
  public:
   explicit device_source(ferry::progress_executor& e) : exec_(e) { exec_.add_source(*this); }
@@ -96,6 +98,7 @@ class device_source {
     kicks_.fetch_add(1);
     exec_.notify();
   }
+  void go_in_flight_at_next_arm() { out_at_arm_.store(true); }
   std::uint64_t handled() const { return handled_.load(); }
 
   std::size_t poll(std::size_t) {
@@ -103,11 +106,16 @@ class device_source {
     handled_.fetch_add(1);
     return 1;
   }
+  bool arm() {
+    if (out_at_arm_.exchange(false)) out_.store(true);
+    return true;
+  }
   bool in_flight() const { return out_.load(); }
 
  private:
   ferry::progress_executor& exec_;
   std::atomic<bool> out_{false};
+  std::atomic<bool> out_at_arm_{false};
   std::atomic<std::uint64_t> kicks_{0};
   std::atomic<std::uint64_t> handled_{0};
 };
@@ -255,6 +263,26 @@ TEST_CASE("adaptive: while a source has I/O in flight the executor spins for in_
   const auto parks = parking.counters().parks;
   parking.notify();
   CHECK(wait_until([&] { return parking.counters().parks > parks; }));
+}
+
+TEST_CASE("adaptive: I/O that the last look before sleeping put in flight is spun for, not slept on",
+          "[executor][concurrency]") {
+  ferry::executor_options options;
+  options.spin_budget = 0ns;
+  options.in_flight_spin = std::chrono::hours(1);
+  ferry::progress_executor exec(options);
+  device_source source(exec);
+  REQUIRE(wait_until([&] { return exec.counters().parks >= 1; }));
+  source.go_in_flight_at_next_arm();
+  exec.notify();  // a round, which finds nothing and goes to park again
+  REQUIRE(wait_until([&] { return source.in_flight(); }));
+  const auto before = exec.counters();
+  std::this_thread::sleep_for(100ms);
+  const auto after = exec.counters();
+  CHECK(after.parks == before.parks);
+  CHECK(after.rounds > before.rounds + 10);
+  source.set_in_flight(false);
+  CHECK(wait_until([&] { return exec.counters().parks > after.parks; }));
 }
 
 TEST_CASE("after remove_source returns the executor never calls the source again",

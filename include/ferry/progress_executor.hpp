@@ -5,9 +5,11 @@
 // Parking follows seastar: when idle past its spin budget the thread announces that it parks, polls
 // every source once more (arming those that need it), and only then sleeps in epoll on an eventfd and
 // the sources' descriptors. A submitter that queued work calls notify(), which costs one fence and one
-// load unless the thread has announced sleep; only then does it write the eventfd.
+// load unless the thread has announced sleep; only then does it write the eventfd. While a source
+// has I/O in flight that will soon complete (in_flight()), adaptive mode's spin budget is the longer
+// in_flight_spin: completions due within a few hundred microseconds are met awake.
 //
-// An idle spin (adaptive mode's spin_budget, or a source that only polling serves) offers the CPU
+// An idle spin (adaptive mode's spin budgets, or a source that only polling serves) offers the CPU
 // every few microseconds (detail::idle_spin): a thread woken onto the executor's CPU runs at once,
 // not after the spin. Busy mode does not: it is for a core given to the executor alone.
 
@@ -50,11 +52,13 @@ enum class progress_mode {
 struct executor_options {
   progress_mode mode = progress_mode::adaptive;
   std::chrono::nanoseconds spin_budget = std::chrono::microseconds(50);
-  // Adaptive mode, while a source has I/O out that a device finishes on its own (a disk read): spin
-  // this long after the last work instead. Such completions come within a device's latency, often in
-  // bursts a few hundred microseconds apart, and a parked thread takes tens of microseconds to wake
-  // on a loaded or virtual machine: every burst would wait for that before its reads are replaced.
-  // Costs a CPU while such I/O flows; set it to spin_budget (or 0) to spin no longer than that.
+  // Adaptive mode, while a source says it has I/O in flight (in_flight(); for a ring, anything but
+  // socket receives): spin this long after the last completion or wake-up instead. Disk reads
+  // complete within the device's latency, often in bursts a few hundred microseconds apart, and a
+  // parked thread takes tens of microseconds to wake on a loaded or virtual machine: every burst
+  // would wait for that before its reads are replaced. Costs a CPU while such I/O flows, and up to
+  // this long after each completion while an operation that waits on a peer is out (a send to a
+  // peer that does not read, a pipe read). Set it to spin_budget (or 0) to spin no longer than that.
   std::chrono::nanoseconds in_flight_spin = std::chrono::microseconds(500);
   std::size_t poll_budget = 256;  // completions one source may handle per round
   int cpu = -1;                   // pin the thread to this CPU; -1 leaves it unpinned
@@ -88,9 +92,9 @@ concept armable_source = requires(S& s) {
   { s.arm() } -> std::convertible_to<bool>;
 };
 
-// A source that knows when it has I/O out that a device finishes on its own, without waiting on a
-// peer (file reads and writes, not socket receives): while in_flight(), adaptive mode spins for
-// executor_options::in_flight_spin rather than spin_budget before parking.
+// A source that knows when it has I/O out whose completion is worth waiting for awake (file reads and
+// writes, not socket receives that may wait on a peer indefinitely): while in_flight(), adaptive mode
+// spins for executor_options::in_flight_spin rather than spin_budget before parking.
 template <class S>
 concept in_flight_source = requires(const S& s) {
   { s.in_flight() } -> std::convertible_to<bool>;
@@ -425,6 +429,15 @@ class progress_executor {
     return fired;
   }
 
+  // Gives up parking without sleeping. A submitter that found the thread announced may have claimed
+  // the wake-up and written the eventfd: take that now, or the next park would end at once on it
+  // (and restart the idle spin with nothing to do).
+  void leave_park() noexcept {
+    if (parked_.exchange(false, std::memory_order_acq_rel)) return;
+    std::uint64_t drained = 0;
+    [[maybe_unused]] const ssize_t r = ::read(wake_fd_, &drained, sizeof drained);
+  }
+
   // Returns completions found by the last look before sleeping (then it does not sleep).
   // `seen_generation`: the source list round_sources_ was copied from. `spin_in_flight`: do not
   // sleep if the last look put I/O in flight (a submission taken just now); spin instead.
@@ -436,7 +449,7 @@ class progress_executor {
     // come before parked_ was set and so woke nobody; the last look below would miss the source's
     // work, since it polls the old list. Go round again with the new list instead of sleeping.
     if (generation_.load(std::memory_order_seq_cst) != seen_generation) {
-      parked_.store(false, std::memory_order_relaxed);
+      leave_park();
       return 0;
     }
     std::size_t late = poll_sources();
@@ -450,7 +463,7 @@ class progress_executor {
     if (late != 0 || any_busy() || (spin_in_flight && any_in_flight()) ||
         stop_.load(std::memory_order_acquire) ||
         timers_.next_deadline() <= detail::clock::now()) {
-      parked_.store(false, std::memory_order_relaxed);
+      leave_park();
       return late;
     }
     timespec ts{};

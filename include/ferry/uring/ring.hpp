@@ -592,9 +592,11 @@ class ring {
 
   [[nodiscard]] int park_fd() const noexcept { return deferred_ ? due_fd_ : ring_.ring_fd; }
 
-  // The executor's side: whether the kernel holds work that finishes without a peer (file reads and
-  // writes, sends), so that the executor spins for executor_options::in_flight_spin before parking.
-  // Receives wait on a peer for as long as it takes and do not count.
+  // The executor's side: whether the kernel holds anything but socket receives, so that the executor
+  // spins for executor_options::in_flight_spin before parking. File reads and writes complete
+  // within the device's latency; sends usually within moments (one to a peer that does not read, or
+  // a read of a pipe, waits on that peer, and costs that spin after each completion meanwhile).
+  // Receives are left out: a server keeps one posted on every connection, mostly waiting.
   [[nodiscard]] bool in_flight() const noexcept { return in_flight_.size() > receives_in_flight_; }
 
   // Before the executor sleeps on due_fd_. The kernel signals it only while it is switched on
