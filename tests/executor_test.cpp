@@ -231,24 +231,19 @@ TEST_CASE("an executor parks when idle and its timers still fire", "[executor][c
 
 TEST_CASE("adaptive: while a source has I/O in flight the executor spins for in_flight_spin, not "
           "spin_budget", "[executor][concurrency]") {
-  ferry::executor_options options;
-  options.spin_budget = 0ns;
-  options.in_flight_spin = std::chrono::hours(1);
-  ferry::progress_executor exec(options);
+  ferry::progress_executor exec(spin_while_in_flight());
   device_source source(exec);
   // Nothing out: it parks as soon as a round finds nothing.
   REQUIRE(wait_until([&] { return exec.counters().parks >= 1; }));
   source.set_in_flight(true);
   REQUIRE(wait_until([&] { return source.handled() == 1; }));
   // From the round that handled that work on, it spins: its rounds go on, and it never sleeps.
-  const auto before = exec.counters();
-  std::this_thread::sleep_for(100ms);
-  const auto after = exec.counters();
-  CHECK(after.parks == before.parks);
-  CHECK(after.rounds > before.rounds + 10);
+  const counters_over_100ms seen(exec);
+  CHECK_FALSE(seen.slept());
+  CHECK(seen.went_round());
   // Nothing out any more: it parks again.
   source.set_in_flight(false);
-  CHECK(wait_until([&] { return exec.counters().parks > after.parks; }));
+  CHECK(wait_until([&] { return exec.counters().parks > seen.after.parks; }));
 
   // With in_flight_spin no longer than spin_budget, I/O out changes nothing.
   ferry::executor_options short_spin;
@@ -267,22 +262,17 @@ TEST_CASE("adaptive: while a source has I/O in flight the executor spins for in_
 
 TEST_CASE("adaptive: I/O that the last look before sleeping put in flight is spun for, not slept on",
           "[executor][concurrency]") {
-  ferry::executor_options options;
-  options.spin_budget = 0ns;
-  options.in_flight_spin = std::chrono::hours(1);
-  ferry::progress_executor exec(options);
+  ferry::progress_executor exec(spin_while_in_flight());
   device_source source(exec);
   REQUIRE(wait_until([&] { return exec.counters().parks >= 1; }));
   source.go_in_flight_at_next_arm();
   exec.notify();  // a round, which finds nothing and goes to park again
   REQUIRE(wait_until([&] { return source.in_flight(); }));
-  const auto before = exec.counters();
-  std::this_thread::sleep_for(100ms);
-  const auto after = exec.counters();
-  CHECK(after.parks == before.parks);
-  CHECK(after.rounds > before.rounds + 10);
+  const counters_over_100ms seen(exec);
+  CHECK_FALSE(seen.slept());
+  CHECK(seen.went_round());
   source.set_in_flight(false);
-  CHECK(wait_until([&] { return exec.counters().parks > after.parks; }));
+  CHECK(wait_until([&] { return exec.counters().parks > seen.after.parks; }));
 }
 
 TEST_CASE("after remove_source returns the executor never calls the source again",

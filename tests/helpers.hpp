@@ -35,6 +35,27 @@ bool wait_until(Pred pred, std::chrono::milliseconds bound = std::chrono::second
   return true;
 }
 
+// Adaptive executor options that park as soon as a round finds nothing, but spin all along while a
+// source has I/O in flight: whether the executor sleeps then shows in its counters.
+inline ferry::executor_options spin_while_in_flight() {
+  ferry::executor_options options;
+  options.spin_budget = std::chrono::nanoseconds::zero();
+  options.in_flight_spin = std::chrono::hours(1);
+  return options;
+}
+
+// An executor's counters now and 100 ms later.
+struct counters_over_100ms {
+  ferry::executor_counters before, after;
+
+  explicit counters_over_100ms(const ferry::progress_executor& exec) : before(exec.counters()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    after = exec.counters();
+  }
+  [[nodiscard]] bool slept() const { return after.parks != before.parks; }
+  [[nodiscard]] bool went_round() const { return after.rounds > before.rounds + 10; }
+};
+
 // N manual transfers and their completers.
 struct batch {
   std::vector<ferry::transfer> transfers;

@@ -215,10 +215,7 @@ TEST_CASE("tcp: a receive waiting on its peer lets an adaptive executor sleep",
   FERRY_REQUIRE_URING();
   std::vector<std::byte> dst(4096);  // before the ring, which may still write it when it goes
   uring::received_block got;
-  ferry::executor_options options;
-  options.spin_budget = 0ns;
-  options.in_flight_spin = std::chrono::hours(1);  // for file I/O; receives must not count
-  ferry::progress_executor exec(options);
+  ferry::progress_executor exec(spin_while_in_flight());  // receives must not count as in flight
   uring::ring r(exec);
   connected_pair c(r);
   ferry::transfer t = c.server.receive(dst, got);
