@@ -361,8 +361,8 @@ class progress_executor {
         spin.step(detail::clock::now());
         continue;
       }
-      // Adaptive mode, still within in_flight_spin of the last work: neither spin past nor sleep
-      // with I/O out that a device finishes on its own.
+      // Adaptive mode, still within in_flight_spin of the last work: while a source has I/O in
+      // flight, neither stop spinning nor sleep.
       bool spin_in_flight = false;
       if (options_.mode == progress_mode::adaptive) {
         const auto now = detail::clock::now();
