@@ -155,8 +155,9 @@ loop_coroutine reader(ferry::run_loop& loop, uring::ring& r, int fd, std::span<s
 }
 
 double ferry_coroutines(uring::ring& r, const test_file& f, const workload& w, double seconds,
-                        std::chrono::nanoseconds loop_spin = ferry::run_loop::default_spin) {
-  ferry::run_loop loop(loop_spin);
+                        std::chrono::nanoseconds loop_spin = ferry::run_loop::default_spin,
+                        std::chrono::nanoseconds loop_max_spin = ferry::run_loop::default_max_spin) {
+  ferry::run_loop loop(loop_spin, loop_max_spin);
   uring::aligned_buffer bufs(w.block * w.depth);
   offsets where(f.size, w.block, w.random, 1);
   std::uint64_t done = 0, errors = 0;
@@ -595,20 +596,21 @@ void run_uring(const options& opt) {
   // The QD 32 row also runs the same runners under other idle spins. Reads there finish in bursts
   // about 250 us apart, longer than the executor's 50 us spin_budget: by default it spins through
   // the gaps anyway while reads are out (in_flight_spin, 500 us), and the engine thread's run_loop
-  // sleeps after its 50 us. `parking_r`'s executor parks after 50 us even with reads out, as it did
-  // before in_flight_spin, so each burst starts with waking it; `long_loop_spin` keeps the engine
-  // thread looking too.
+  // has grown its spin (50 us at first, up to 500 us) to meet them too. `parking_r`'s executor parks
+  // after 50 us even with reads out, as it did before in_flight_spin, so each burst starts with
+  // waking it; `fixed_loop_spin` keeps the run_loop's spin at 50 us, as it was before it adapted, so
+  // that each burst starts with waking the engine thread.
   ferry::executor_options parking_options;
   parking_options.in_flight_spin = parking_options.spin_budget;
   ferry::progress_executor parking_exec(parking_options);
   uring::ring parking_r(parking_exec, uring::ring_options{.entries = 256});
-  const auto long_loop_spin = std::chrono::milliseconds(1);
+  const auto fixed_loop_spin = ferry::run_loop::default_spin;
   // What the QD 32 row also records: each set-up's runners (engine thread, executor thread), their
   // ratios to fio in the same pass, and the CPUs each kept busy.
   struct spin_row {
     std::vector<double> co, inl, co_fio, inl_fio, co_cpu, inl_cpu;
   };
-  spin_row defaults, parking, long_loop;
+  spin_row defaults, parking, fixed_loop;
   std::vector<double> fio_cpu;
   std::string spin_table;  // printed under the main table
   for (const workload& w : loads) {
@@ -654,8 +656,8 @@ void run_uring(const options& opt) {
               pi = with_cpu(parking.inl_cpu, [&] { return ferry_inline(parking_r, f, w, seconds); });
               break;
             default:
-              lc = with_cpu(long_loop.co_cpu, [&] {
-                return ferry_coroutines(r, f, w, seconds, long_loop_spin);
+              lc = with_cpu(fixed_loop.co_cpu, [&] {
+                return ferry_coroutines(r, f, w, seconds, fixed_loop_spin, fixed_loop_spin);
               });
               break;
           }
@@ -684,13 +686,13 @@ void run_uring(const options& opt) {
             defaults.inl.push_back(i);
             parking.co.push_back(pc);
             parking.inl.push_back(pi);
-            long_loop.co.push_back(lc);
+            fixed_loop.co.push_back(lc);
             if (ff > 0) {
               defaults.co_fio.push_back(c / ff);
               defaults.inl_fio.push_back(i / ff);
               parking.co_fio.push_back(pc / ff);
               parking.inl_fio.push_back(pi / ff);
-              long_loop.co_fio.push_back(lc / ff);
+              fixed_loop.co_fio.push_back(lc / ff);
             }
           }
         });
@@ -753,20 +755,21 @@ void run_uring(const options& opt) {
         spin_table += line;
       };
       std::snprintf(line, sizeof line,
-                    "default: executor %lld us, %lld us while reads are out; run_loop %lld us",
+                    "default: executor %lld us, %lld us while reads are out; run_loop %lld-%lld us",
                     static_cast<long long>(ferry::executor_options{}.spin_budget.count() / 1000),
                     static_cast<long long>(ferry::executor_options{}.in_flight_spin.count() / 1000),
-                    static_cast<long long>(ferry::run_loop::default_spin.count() / 1000));
+                    static_cast<long long>(ferry::run_loop::default_spin.count() / 1000),
+                    static_cast<long long>(ferry::run_loop::default_max_spin.count() / 1000));
       const std::string default_name = line;
       add_row(default_name.c_str(), defaults);
       std::snprintf(line, sizeof line, "executor %lld us even while reads are out",
                     static_cast<long long>(parking_options.in_flight_spin.count() / 1000));
       const std::string parking_name = line;
       add_row(parking_name.c_str(), parking);
-      std::snprintf(line, sizeof line, "run_loop %lld us",
-                    static_cast<long long>(long_loop_spin.count() * 1000));
-      const std::string long_name = line;
-      add_row(long_name.c_str(), long_loop);
+      std::snprintf(line, sizeof line, "run_loop fixed at %lld us",
+                    static_cast<long long>(fixed_loop_spin.count() / 1000));
+      const std::string fixed_name = line;
+      add_row(fixed_name.c_str(), fixed_loop);
       if (fio) {
         std::snprintf(line, sizeof line, "\nfio's job kept %s CPUs busy in the same passes.\n",
                       median_text(fio_cpu).c_str());

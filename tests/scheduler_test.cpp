@@ -232,11 +232,26 @@ TEST_CASE("run_loop: an idle loop's spin ends early for work and for stop", "[sc
   CHECK(ms_since(start) < 10'000);
 }
 
-TEST_CASE("run_loop: a negative spin means none", "[scheduler]") {
-  CHECK(ferry::run_loop().spin() == ferry::run_loop::default_spin);
-  CHECK(ferry::run_loop(3us).spin() == 3us);
+TEST_CASE("run_loop: the spins it takes, and the ones it refuses", "[scheduler]") {
+  const ferry::run_loop adaptive;
+  CHECK(adaptive.spin() == ferry::run_loop::default_spin);
+  CHECK(adaptive.max_spin() == ferry::run_loop::default_max_spin);
+  CHECK(adaptive.current_spin() == ferry::run_loop::default_spin);
+  const ferry::run_loop fixed(3us);
+  CHECK(fixed.spin() == 3us);
+  CHECK(fixed.max_spin() == 3us);
+  const ferry::run_loop given(10us, 2ms);
+  CHECK(given.spin() == 10us);
+  CHECK(given.max_spin() == 2ms);
+  CHECK(given.current_spin() == 10us);
+  CHECK_THROWS_WITH(ferry::run_loop(100us, 50us),
+                    Catch::Contains("max_spin must not be less than spin"));
+  CHECK_THROWS_WITH(ferry::run_loop(-1us, 50us), Catch::Contains("spin must not be negative"));
+
+  // A fixed negative spin means none.
   ferry::run_loop loop(-5ms);
   CHECK(loop.spin() == 0ns);
+  CHECK(loop.max_spin() == 0ns);
   std::thread stopper([&] {
     std::this_thread::sleep_for(20ms);
     loop.stop();
@@ -245,6 +260,56 @@ TEST_CASE("run_loop: a negative spin means none", "[scheduler]") {
   stopper.join();
   loop.post(std::noop_coroutine());
   CHECK(loop.poll() == 1);
+}
+
+namespace {
+
+// Runs `loop` on this thread while another posts `count` items to it, `gap` apart (at least), and
+// returns how many times it slept over the last half of them.
+std::uint64_t sleeps_over_last_half(ferry::run_loop& loop, int count,
+                                    std::chrono::microseconds gap) {
+  std::atomic<std::uint64_t> halfway{0};
+  std::thread poster([&] {
+    for (int i = 0; i < count; ++i) {
+      if (i == count / 2) halfway = loop.sleeps();
+      std::this_thread::sleep_for(gap);
+      loop.post(std::noop_coroutine());
+    }
+    loop.stop();
+  });
+  loop.run();
+  poster.join();
+  return loop.sleeps() - halfway.load();
+}
+
+}  // namespace
+
+TEST_CASE("run_loop: an adaptive spin grows to meet work that keeps coming, and shrinks after",
+          "[scheduler][concurrency]") {
+  // Posts 200 us apart or more: longer than the least spin, so a fixed one sleeps before nearly
+  // every post; far shorter than the most (5 ms, which a busy machine's hiccups rarely reach), so
+  // an adaptive one soon stops sleeping at all.
+  constexpr int posts = 400;
+  constexpr auto gap = 200us;
+  const auto least = GENERATE(0us, 20us);
+  CAPTURE(least.count());
+
+  ferry::run_loop fixed(least);
+  CHECK(sleeps_over_last_half(fixed, posts, gap) >= posts / 4);
+
+  ferry::run_loop adaptive(least, 5ms);
+  CHECK(sleeps_over_last_half(adaptive, posts, gap) <= posts / 16);
+  CHECK(adaptive.current_spin() >= gap);
+  CHECK(adaptive.current_spin() <= 5ms);
+
+  // Posts 20 ms apart, longer than the most: each sleep halves the spin, back to the least (5 ms
+  // to 20 us takes eight halvings; from 0, twelve bring it under 2 us).
+  sleeps_over_last_half(adaptive, 24, 20ms);
+  if (least == 0us) {
+    CHECK(adaptive.current_spin() < 2us);
+  } else {
+    CHECK(adaptive.current_spin() == least);
+  }
 }
 
 TEST_CASE("task: values, nesting, exceptions and sync_wait", "[scheduler]") {

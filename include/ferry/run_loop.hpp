@@ -1,21 +1,29 @@
 #pragma once
 // A scheduler that an engine thread drives: any thread posts, the owning thread runs.
 //
-// An idle loop looks at its queue for a short while (50 µs by default) before it sleeps: completions
-// that come in bursts a few microseconds apart then continue without a futex wake each, and on a
-// virtual machine without the vCPU halting and being woken again, which costs tens of microseconds.
-// While it looks, it offers its CPU every few microseconds (detail::idle_spin), so that a thread the
-// kernel wakes onto that CPU runs at once rather than after the spin.
+// An idle loop looks at its queue for a while before it sleeps: completions that come in bursts a
+// few microseconds apart then continue without a futex wake each, and on a virtual machine without
+// the vCPU halting and being woken again, which costs tens of microseconds. While it looks, it offers
+// its CPU every few microseconds (detail::idle_spin), so that a thread the kernel wakes onto that CPU
+// runs at once rather than after the spin.
+//
+// How long it looks adapts, as KVM's halt polling does: from 50 µs by default, doubled (up to
+// max_spin, 500 µs by default) whenever a sleep was ended by a post that looking that much longer
+// would have met, and halved (down to the minimum) whenever a sleep outlasted max_spin. Work that
+// arrives every few hundred microseconds (the bursts of completions of reads kept in flight on a
+// disk) is then met awake, without a wake-up per burst; a loop whose work comes seldom spins little.
 //
 // A sleeping loop is woken once per sleep: the first post to find it registered claims the wake, so
 // a burst of completions posted to it while it wakes up costs one futex call, not one each.
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <coroutine>
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <stdexcept>
 #include <utility>
 #include <vector>
 
@@ -26,18 +34,33 @@ namespace ferry {
 class run_loop {
  public:
   static constexpr std::chrono::nanoseconds default_spin = std::chrono::microseconds(50);
+  static constexpr std::chrono::nanoseconds default_max_spin = std::chrono::microseconds(500);
 
+  // Adapts its idle spin between default_spin and default_max_spin.
   run_loop() = default;
 
-  // `spin`: how long an idle run() or run_one() looks for work before it sleeps; zero sleeps at
-  // once (no CPU spent idle, a futex wake for every post to a sleeping loop).
-  explicit run_loop(std::chrono::nanoseconds spin) noexcept
-      : spin_(spin < std::chrono::nanoseconds::zero() ? std::chrono::nanoseconds::zero() : spin) {}
+  // A fixed idle spin: how long an idle run() or run_one() looks for work before it sleeps; zero
+  // (or less) sleeps at once (no CPU spent idle, a futex wake for every post to a sleeping loop).
+  explicit run_loop(std::chrono::nanoseconds spin) noexcept : run_loop(at_least_zero(spin)) {}
+
+  // An idle spin that adapts between `spin` and `max_spin` (see the top of this file).
+  run_loop(std::chrono::nanoseconds spin, std::chrono::nanoseconds max_spin)
+      : run_loop(checked(spin, max_spin)) {}
 
   run_loop(const run_loop&) = delete;
   run_loop& operator=(const run_loop&) = delete;
 
+  // The least and the most an idle loop looks for work before sleeping, and what it looks now.
   [[nodiscard]] std::chrono::nanoseconds spin() const noexcept { return spin_; }
+  [[nodiscard]] std::chrono::nanoseconds max_spin() const noexcept { return max_spin_; }
+  [[nodiscard]] std::chrono::nanoseconds current_spin() const noexcept {
+    return std::chrono::nanoseconds(current_spin_.load(std::memory_order_relaxed));
+  }
+
+  // How many times the loop has gone to sleep on its futex since it was made.
+  [[nodiscard]] std::uint64_t sleeps() const noexcept {
+    return sleeps_.load(std::memory_order_relaxed);
+  }
 
   // Any thread. Wakes the running thread only if it sleeps, and only the first post to find it so.
   void post(std::coroutine_handle<> h) {
@@ -97,6 +120,29 @@ class run_loop {
   }
 
  private:
+  using nanoseconds = std::chrono::nanoseconds;
+  struct spins {
+    nanoseconds least, most;
+  };
+
+  explicit run_loop(spins s) noexcept
+      : spin_(s.least), max_spin_(s.most), current_spin_(s.least.count()) {}
+
+  static spins at_least_zero(nanoseconds spin) noexcept {
+    const nanoseconds least = std::max(spin, nanoseconds::zero());
+    return {least, least};
+  }
+
+  static spins checked(nanoseconds spin, nanoseconds max_spin) {
+    if (spin < nanoseconds::zero()) {
+      throw std::invalid_argument("ferry::run_loop: spin must not be negative");
+    }
+    if (max_spin < spin) {
+      throw std::invalid_argument("ferry::run_loop: max_spin must not be less than spin");
+    }
+    return {spin, max_spin};
+  }
+
   [[nodiscard]] bool stop_requested(std::memory_order order) const noexcept {
     return (epoch_.load(order) & stop_bit) != 0;
   }
@@ -116,10 +162,10 @@ class run_loop {
     return true;
   }
 
-  // True when work (or a stop) arrived while spinning.
-  bool spin_for_work() const noexcept {
-    if (spin_ == std::chrono::nanoseconds::zero()) return false;
-    const auto until = detail::clock::now() + spin_;
+  // True when work (or a stop) arrived while spinning for `how_long`.
+  bool spin_for_work(nanoseconds how_long) const noexcept {
+    if (how_long == nanoseconds::zero()) return false;
+    const auto until = detail::clock::now() + how_long;
     detail::idle_spin spin;
     for (;;) {
       // Reading the clock costs more than a look at the queue: look 32 times between readings.
@@ -140,19 +186,37 @@ class run_loop {
   // one that landed before is seen in its bit. A post cannot slip in unseen either: it queues under
   // mutex_, where this thread looks at the queue, and claims under it too.
   void wait_for_work() {
-    if (spin_for_work()) return;
+    const nanoseconds spin(current_spin_.load(std::memory_order_relaxed));
+    if (spin_for_work(spin)) return;
     const std::uint32_t epoch = epoch_.load(std::memory_order_acquire);
     {
       std::lock_guard lock(mutex_);
       if (count_ != 0 || (epoch & stop_bit) != 0) return;
       ++sleepers_;
     }
+    sleeps_.fetch_add(1, std::memory_order_relaxed);
+    const auto slept_from = detail::clock::now();
     detail::futex_wait(epoch_, epoch);
+    adapt(spin, detail::clock::now() - slept_from);
     std::lock_guard lock(mutex_);
     // Unchanged epoch: nothing claimed this registration or stopped (the futex returned on a signal).
     // Changed: a post claimed it, or a stop() or a claim made before it registered moved the epoch;
     // the count then stays high, which costs the next post one futex call and nothing else.
     if (epoch_.load(std::memory_order_relaxed) == epoch) --sleepers_;
+  }
+
+  // After a sleep that followed a spin of `spin`: a wake-up that a spin of up to max_spin would have
+  // met doubles the spin; a sleep longer than max_spin halves it.
+  void adapt(nanoseconds spin, nanoseconds slept) noexcept {
+    constexpr nanoseconds first_step = std::chrono::microseconds(1);  // growing from a zero spin
+    nanoseconds next = spin;
+    if (slept <= max_spin_ - spin) {  // spin + slept <= max_spin_, without overflowing
+      next = spin <= max_spin_ / 2 ? std::max(spin * 2, first_step) : max_spin_;
+      next = std::min(next, max_spin_);
+    } else if (slept > max_spin_) {
+      next = std::max(spin / 2, spin_);
+    }
+    current_spin_.store(next.count(), std::memory_order_relaxed);
   }
 
   // A growable ring: no allocation once it has reached its working size.
@@ -186,7 +250,12 @@ class run_loop {
   std::size_t count_ = 0;
   // count_ mirrored for the idle spin, which looks without the lock (a hint: pop() decides).
   std::atomic<std::size_t> queued_{0};
-  std::chrono::nanoseconds spin_ = default_spin;
+  nanoseconds spin_ = default_spin;
+  nanoseconds max_spin_ = default_max_spin;
+  // The spin an idle loop makes now, between spin_ and max_spin_. Atomic only so that current_spin()
+  // may be read from any thread: the running thread alone writes it.
+  std::atomic<nanoseconds::rep> current_spin_{default_spin.count()};
+  std::atomic<std::uint64_t> sleeps_{0};
   // Under mutex_: at least the number of sleepers no post has claimed yet (stop() leaves it high;
   // 64 bits, so that no number of stops between two posts can wrap it to zero).
   std::uint64_t sleepers_ = 0;
