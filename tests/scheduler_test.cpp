@@ -264,14 +264,20 @@ TEST_CASE("run_loop: the spins it takes, and the ones it refuses", "[scheduler]"
 
 namespace {
 
-// Runs `loop` on this thread while another posts `count` items to it, `gap` apart (at least), and
-// returns how many times it slept over the last half of them.
-std::uint64_t sleeps_over_last_half(ferry::run_loop& loop, int count,
-                                    std::chrono::microseconds gap) {
-  std::atomic<std::uint64_t> halfway{0};
+struct idle_record {
+  std::uint64_t late_sleeps = 0;  // over the last half of the posts
+  std::chrono::nanoseconds spin_before_last{};  // as the last gap began (the stop after it may
+                                                // end one more sleep, and move the spin again)
+};
+
+// Runs `loop` on this thread while another posts `count` items to it, `gap` apart (at least).
+idle_record run_posted_every(ferry::run_loop& loop, int count, std::chrono::microseconds gap) {
+  std::uint64_t halfway = 0;
+  std::chrono::nanoseconds spin_before_last{};
   std::thread poster([&] {
     for (int i = 0; i < count; ++i) {
       if (i == count / 2) halfway = loop.sleeps();
+      if (i == count - 1) spin_before_last = loop.current_spin();
       std::this_thread::sleep_for(gap);
       loop.post(std::noop_coroutine());
     }
@@ -279,7 +285,7 @@ std::uint64_t sleeps_over_last_half(ferry::run_loop& loop, int count,
   });
   loop.run();
   poster.join();
-  return loop.sleeps() - halfway.load();
+  return {loop.sleeps() - halfway, spin_before_last};
 }
 
 }  // namespace
@@ -295,20 +301,21 @@ TEST_CASE("run_loop: an adaptive spin grows to meet work that keeps coming, and 
   CAPTURE(least.count());
 
   ferry::run_loop fixed(least);
-  CHECK(sleeps_over_last_half(fixed, posts, gap) >= posts / 4);
+  CHECK(run_posted_every(fixed, posts, gap).late_sleeps >= posts / 4);
 
   ferry::run_loop adaptive(least, 5ms);
-  CHECK(sleeps_over_last_half(adaptive, posts, gap) <= posts / 16);
-  CHECK(adaptive.current_spin() >= gap);
-  CHECK(adaptive.current_spin() <= 5ms);
+  const idle_record busy = run_posted_every(adaptive, posts, gap);
+  CHECK(busy.late_sleeps <= posts / 16);
+  CHECK(busy.spin_before_last >= gap);
+  CHECK(busy.spin_before_last <= 5ms);
 
-  // Posts 20 ms apart, longer than the most: each sleep halves the spin, back to the least (5 ms
-  // to 20 us takes eight halvings; from 0, twelve bring it under 2 us).
-  sleeps_over_last_half(adaptive, 24, 20ms);
+  // Posts 20 ms apart, longer than the most: each sleep halves the spin, back to the least (from
+  // 5 ms, eight halvings reach 20 us, and with a least of 0 twelve bring it under 2 us).
+  const idle_record quiet = run_posted_every(adaptive, 24, 20ms);
   if (least == 0us) {
-    CHECK(adaptive.current_spin() < 2us);
+    CHECK(quiet.spin_before_last < 2us);
   } else {
-    CHECK(adaptive.current_spin() == least);
+    CHECK(quiet.spin_before_last == least);
   }
 }
 

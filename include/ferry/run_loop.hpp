@@ -8,8 +8,9 @@
 // runs at once rather than after the spin.
 //
 // How long it looks adapts, as KVM's halt polling does: from 50 µs by default, doubled (up to
-// max_spin, 500 µs by default) whenever a sleep was ended by a post that looking that much longer
-// would have met, and halved (down to the minimum) whenever a sleep outlasted max_spin. Work that
+// max_spin, 500 µs by default) after a sleep that ended within max_spin of the moment the loop
+// went idle, so that a spin that long would have met the work, and halved (down to the minimum)
+// after a sleep that outlasted max_spin. Work that
 // arrives every few hundred microseconds (the bursts of completions of reads kept in flight on a
 // disk) is then met awake, without a wake-up per burst; a loop whose work comes seldom spins little.
 //
@@ -28,6 +29,8 @@
 #include <vector>
 
 #include "ferry/detail/futex.hpp"
+#include "ferry/detail/short_hold_mutex.hpp"
+#include "ferry/detail/timeout.hpp"
 
 namespace ferry {
 
@@ -43,7 +46,9 @@ class run_loop {
   // (or less) sleeps at once (no CPU spent idle, a futex wake for every post to a sleeping loop).
   explicit run_loop(std::chrono::nanoseconds spin) noexcept : run_loop(at_least_zero(spin)) {}
 
-  // An idle spin that adapts between `spin` and `max_spin` (see the top of this file).
+  // An idle spin that adapts between `spin` and `max_spin` (see the top of this file). max_spin is
+  // also the idle time past which the spin shrinks: a loop given a long one spins that long after
+  // every idle period, until periods longer than it come.
   run_loop(std::chrono::nanoseconds spin, std::chrono::nanoseconds max_spin)
       : run_loop(checked(spin, max_spin)) {}
 
@@ -57,7 +62,8 @@ class run_loop {
     return std::chrono::nanoseconds(current_spin_.load(std::memory_order_relaxed));
   }
 
-  // How many times the loop has gone to sleep on its futex since it was made.
+  // How many times the loop has found nothing to do after its spin and registered to sleep on its
+  // futex since it was made (a post or stop that lands meanwhile ends such a sleep at once).
   [[nodiscard]] std::uint64_t sleeps() const noexcept {
     return sleeps_.load(std::memory_order_relaxed);
   }
@@ -165,7 +171,7 @@ class run_loop {
   // True when work (or a stop) arrived while spinning for `how_long`.
   bool spin_for_work(nanoseconds how_long) const noexcept {
     if (how_long == nanoseconds::zero()) return false;
-    const auto until = detail::clock::now() + how_long;
+    const auto until = detail::deadline_after(how_long);  // saturates rather than overflowing
     detail::idle_spin spin;
     for (;;) {
       // Reading the clock costs more than a look at the queue: look 32 times between readings.
@@ -244,7 +250,7 @@ class run_loop {
     head_ = 0;
   }
 
-  mutable std::mutex mutex_;
+  mutable detail::short_hold_mutex mutex_;
   std::vector<std::coroutine_handle<>> ring_;
   std::size_t head_ = 0;
   std::size_t count_ = 0;
