@@ -10,9 +10,9 @@
 // How long it looks adapts, as KVM's halt polling does: from 50 µs by default, doubled (up to
 // max_spin, 500 µs by default) after a sleep that ended within max_spin of the moment the loop
 // went idle, so that a spin that long would have met the work, and halved (down to the minimum)
-// after a sleep that outlasted max_spin. Work that
-// arrives every few hundred microseconds (the bursts of completions of reads kept in flight on a
-// disk) is then met awake, without a wake-up per burst; a loop whose work comes seldom spins little.
+// after a sleep that outlasted max_spin. Work that arrives every few hundred microseconds (the
+// bursts of completions of reads kept in flight on a disk) is then met awake, without a wake-up per
+// burst; a loop whose work comes seldom spins little.
 //
 // A sleeping loop is woken once per sleep: the first post to find it registered claims the wake, so
 // a burst of completions posted to it while it wakes up costs one futex call, not one each.

@@ -5,8 +5,8 @@
 // futex_wait and the holder, on unlocking, a futex_wake, two system calls for a wait of well under a
 // microsecond. This one first tries again for a little while (128 pauses, a few microseconds at
 // most), which is nearly always long enough for the holder to finish, and blocks only after that.
-// At depth 32 in the io_uring benchmark it took the engine thread's run_loop from about 8,000 futex
-// calls a second to none.
+// At depth 32 in the io_uring benchmark, the engine thread's run_loop saw about 8,000 contended
+// acquisitions a second; with this, no more than five a second went on to block.
 
 #include <mutex>
 
