@@ -208,6 +208,83 @@ TEST_CASE("a completion wakes a blocked waiter, and two waiters are both woken",
   CHECK(ms_since(start) < 5000);  // woken by the completion, not by the 10 s bound
 }
 
+namespace {
+
+struct wait_record {
+  std::uint64_t late_sleeps = 0;  // over the last half of the waits
+  std::chrono::nanoseconds spin_after{};
+};
+
+// Waits on this thread for `count` transfers that another thread completes one at a time, each
+// `gap` (at least) after the one before.
+wait_record wait_on_stream(int count, std::chrono::microseconds gap) {
+  std::vector<ferry::transfer> ts;
+  std::vector<ferry::completer> cs;
+  for (int i = 0; i < count; ++i) {
+    auto [t, c] = ferry::make_manual_transfer();
+    ts.push_back(t);
+    cs.push_back(c);
+  }
+  std::thread completing([&] {
+    for (auto& c : cs) {
+      std::this_thread::sleep_for(gap);
+      c.succeed();
+    }
+  });
+  std::uint64_t halfway = 0;
+  int succeeded = 0;
+  for (int i = 0; i < count; ++i) {
+    if (i == count / 2) halfway = ferry::this_thread_wait_spin().sleeps;
+    if (ts[static_cast<std::size_t>(i)].wait() == transfer_state::success) ++succeeded;
+  }
+  completing.join();
+  CHECK(succeeded == count);
+  return {ferry::this_thread_wait_spin().sleeps - halfway, ferry::this_thread_wait_spin().current};
+}
+
+}  // namespace
+
+TEST_CASE("a thread's blocking waits spin longer while its transfers keep completing soon",
+          "[transfer][concurrency]") {
+  // Completions 200 us apart or more: longer than the fixed pauses, so a thread that does not
+  // spin sleeps before nearly every one; far shorter than a 5 ms limit (which a busy machine's
+  // hiccups rarely reach), so an adaptive spin soon stops sleeping at all.
+  constexpr int count = 400;
+  constexpr auto gap = 200us;
+  ferry::set_wait_spin_limit(0ns);
+  CHECK(ferry::this_thread_wait_spin().current == 0ns);
+  CHECK(wait_on_stream(count, gap).late_sleeps >= count / 4);
+
+  ferry::set_wait_spin_limit(5ms);
+  const wait_record busy = wait_on_stream(count, gap);
+  CHECK(busy.late_sleeps <= count / 16);
+  CHECK(busy.spin_after >= gap);
+  CHECK(busy.spin_after <= 5ms);
+
+  // Completions 20 ms apart, longer than the limit: each sleep halves the spin (from 5 ms, twelve
+  // halvings bring it under 2 us).
+  CHECK(wait_on_stream(24, 20ms).spin_after < 2us);
+
+  // A lower limit caps the spin at once; the default comes back for the tests after this one.
+  ferry::set_wait_spin_limit(5ms);
+  wait_on_stream(count / 4, gap);
+  ferry::set_wait_spin_limit(100us);
+  CHECK(ferry::this_thread_wait_spin().current <= 100us);
+  ferry::set_wait_spin_limit(ferry::default_wait_spin_limit);
+  CHECK(ferry::this_thread_wait_spin().limit == 500us);
+}
+
+TEST_CASE("a thread's wait spin limit: its default, and the values it refuses", "[transfer]") {
+  ferry::wait_spin_info fresh{};
+  std::thread([&] { fresh = ferry::this_thread_wait_spin(); }).join();
+  CHECK(fresh.limit == 500us);
+  CHECK(fresh.current == 0ns);
+  CHECK(fresh.sleeps == 0);
+  CHECK_THROWS_WITH(ferry::set_wait_spin_limit(-1us), Catch::Contains("must not be negative"));
+  CHECK_THROWS_WITH(ferry::set_wait_spin_limit(2s), Catch::Contains("must be at most 1 s"));
+  CHECK(ferry::this_thread_wait_spin().limit == ferry::default_wait_spin_limit);
+}
+
 TEST_CASE("make_completed_transfer gives a terminal transfer", "[transfer]") {
   const ferry::transfer t = ferry::make_completed_transfer(transfer_state::failed,
                                                            ferry::errc::destination_too_small);

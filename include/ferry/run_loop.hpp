@@ -171,21 +171,11 @@ class run_loop {
   // True when work (or a stop) arrived while spinning for `how_long`.
   bool spin_for_work(nanoseconds how_long) const noexcept {
     if (how_long == nanoseconds::zero()) return false;
-    const auto until = detail::deadline_after(how_long);  // saturates rather than overflowing
-    detail::idle_spin spin;
-    for (;;) {
-      // Reading the clock costs more than a look at the queue: look 32 times between readings.
-      for (int i = 0; i < 32; ++i) {
-        if (queued_.load(std::memory_order_relaxed) != 0 ||
-            stop_requested(std::memory_order_relaxed)) {
-          return true;
-        }
-        detail::cpu_relax();
-      }
-      const auto now = detail::clock::now();
-      if (now >= until) return false;
-      spin.step(now);
-    }
+    // The deadline saturates rather than overflowing for a spin of any length.
+    return detail::spin_until(detail::deadline_after(how_long), [this] {
+      return queued_.load(std::memory_order_relaxed) != 0 ||
+             stop_requested(std::memory_order_relaxed);
+    });
   }
 
   // The epoch is read first: a stop() (which takes no lock) that lands after this read moves it, and
@@ -211,18 +201,10 @@ class run_loop {
     if (epoch_.load(std::memory_order_relaxed) == epoch) --sleepers_;
   }
 
-  // After a sleep that followed a spin of `spin`: a wake-up that a spin of up to max_spin would have
-  // met doubles the spin; a sleep longer than max_spin halves it.
+  // After a sleep that followed a spin of `spin` (see the top of this file).
   void adapt(nanoseconds spin, nanoseconds slept) noexcept {
-    constexpr nanoseconds first_step = std::chrono::microseconds(1);  // growing from a zero spin
-    nanoseconds next = spin;
-    if (slept <= max_spin_ - spin) {  // spin + slept <= max_spin_, without overflowing
-      next = spin <= max_spin_ / 2 ? std::max(spin * 2, first_step) : max_spin_;
-      next = std::min(next, max_spin_);
-    } else if (slept > max_spin_) {
-      next = std::max(spin / 2, spin_);
-    }
-    current_spin_.store(next.count(), std::memory_order_relaxed);
+    current_spin_.store(detail::adapted_spin(spin, slept, spin_, max_spin_).count(),
+                        std::memory_order_relaxed);
   }
 
   // A growable ring: no allocation once it has reached its working size.

@@ -2,8 +2,11 @@
 // transfer: the waiting side of one data movement; completer: the completing side. Both are cheap
 // copyable handles to one pooled status block.
 
+#include <algorithm>
 #include <chrono>
 #include <coroutine>
+#include <cstdint>
+#include <stdexcept>
 #include <system_error>
 #include <utility>
 
@@ -226,6 +229,41 @@ class completer {
   auto [t, c] = make_manual_transfer();
   c.complete(to, ec);
   return std::move(t);
+}
+
+// Blocking waits (transfer::wait, wait_for) look at the transfer for a while before they sleep on
+// a futex: a few microseconds of pauses, then a spin of the calling thread's own that adapts as
+// run_loop's idle spin does. It starts at none, doubles (up to the thread's limit, 500 µs by
+// default) after a sleep that ended within the limit of the moment the spin began, and halves after
+// a sleep longer than the limit. A thread waiting on a stream of transfers that complete a few
+// hundred microseconds apart (reads kept in flight on a disk) then meets them awake instead of
+// being woken for each; a thread that waits seldom, or long, sleeps after the pauses.
+struct wait_spin_info {
+  std::chrono::nanoseconds limit;
+  std::chrono::nanoseconds current;  // what the next wait on this thread spins
+  std::uint64_t sleeps;              // waits on this thread that found the transfer pending after it
+};
+
+inline constexpr std::chrono::nanoseconds default_wait_spin_limit =
+    detail::wait_spin_state::default_limit;
+inline constexpr std::chrono::nanoseconds max_wait_spin_limit = std::chrono::seconds(1);
+
+// The calling thread's limit, from zero (sleep after the pauses) to max_wait_spin_limit.
+inline void set_wait_spin_limit(std::chrono::nanoseconds limit) {
+  if (limit < std::chrono::nanoseconds::zero()) {
+    throw std::invalid_argument("ferry::set_wait_spin_limit: the limit must not be negative");
+  }
+  if (limit > max_wait_spin_limit) {
+    throw std::invalid_argument("ferry::set_wait_spin_limit: the limit must be at most 1 s");
+  }
+  detail::wait_spin_state& spin = detail::this_thread_wait_spin();
+  spin.limit = limit;
+  spin.current = std::min(spin.current, limit);
+}
+
+[[nodiscard]] inline wait_spin_info this_thread_wait_spin() noexcept {
+  const detail::wait_spin_state& spin = detail::this_thread_wait_spin();
+  return {spin.limit, spin.current, spin.sleeps};
 }
 
 }  // namespace ferry

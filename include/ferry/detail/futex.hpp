@@ -3,6 +3,7 @@
 // wait in ferry needs one, so blocked threads sleep here. Sleeping is only an optimisation: every
 // caller re-checks its atomic after waking, and all synchronisation is through the atomics.
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -102,5 +103,40 @@ class idle_spin {
  private:
   clock::time_point offered_{};
 };
+
+// Looks at `ready` until it says yes (true) or `until` passes (false), pacing the looks with
+// idle_spin. Reading the clock costs more than a look at an atomic: it looks 32 times between
+// readings.
+template <class Ready>
+bool spin_until(clock::time_point until, Ready ready) noexcept {
+  idle_spin spin;
+  for (;;) {
+    for (int i = 0; i < 32; ++i) {
+      if (ready()) return true;
+      cpu_relax();
+    }
+    const auto now = clock::now();
+    if (now >= until) return false;
+    spin.step(now);
+  }
+}
+
+// An idle spin that adapts as KVM's halt polling does: after a spin of `spin` that ended in a sleep
+// of `slept`, the next is doubled (from at least 1 µs, up to `most`) if the sleep ended within
+// `most` of the moment the spin began, so that a spin that long would have met the wake-up; halved
+// (down to `least`) if the sleep outlasted `most`; otherwise the same. Needs least <= spin <= most.
+inline std::chrono::nanoseconds adapted_spin(std::chrono::nanoseconds spin,
+                                             std::chrono::nanoseconds slept,
+                                             std::chrono::nanoseconds least,
+                                             std::chrono::nanoseconds most) noexcept {
+  using std::chrono::nanoseconds;
+  constexpr nanoseconds first_step = std::chrono::microseconds(1);  // growing from a zero spin
+  if (slept <= most - spin) {  // spin + slept <= most, without overflowing
+    const nanoseconds doubled = spin <= most / 2 ? std::max(spin * 2, first_step) : most;
+    return std::min(doubled, most);
+  }
+  if (slept > most) return std::max(spin / 2, least);
+  return spin;
+}
 
 }  // namespace ferry::detail

@@ -9,6 +9,7 @@
 // touch this status again without deadlocking.
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <system_error>
@@ -22,6 +23,21 @@ namespace ferry::detail {
 
 // What a waiter learns when the status it waits on ends. state == pending means the waiter was
 // swept off the list without a completion because its wait had already ended (see expired()).
+// How long blocking waits on this thread look at a transfer before they sleep, beyond the fixed
+// pauses (status_block::spin_before_sleep): from none, adapted between zero and `limit` by
+// adapted_spin (ferry::set_wait_spin_limit sets the limit; ferry::this_thread_wait_spin reads it).
+struct wait_spin_state {
+  static constexpr std::chrono::nanoseconds default_limit = std::chrono::microseconds(500);
+  std::chrono::nanoseconds limit = default_limit;
+  std::chrono::nanoseconds current{0};
+  std::uint64_t sleeps = 0;  // waits that found the transfer pending after their spin
+};
+
+inline wait_spin_state& this_thread_wait_spin() noexcept {
+  thread_local wait_spin_state state;
+  return state;
+}
+
 struct completion_event {
   transfer_state state = transfer_state::pending;
   std::error_code error;
@@ -184,6 +200,17 @@ class alignas(64) status_block {
       if (state() != transfer_state::pending) return state();
       cpu_relax();
     }
+    // Then this thread's adaptive spin, which its recent waits have grown if they kept ending soon
+    // after it slept (a stream of reads completing in bursts a few hundred microseconds apart).
+    wait_spin_state& spin = this_thread_wait_spin();
+    const std::chrono::nanoseconds spun = spin.current;
+    if (spun > std::chrono::nanoseconds::zero()) {
+      clock::time_point until = clock::now() + spun;  // spun <= limit <= 1 s: no overflow
+      if (deadline != nullptr && *deadline < until) until = *deadline;
+      if (spin_until(until, [this] { return state() != transfer_state::pending; })) return state();
+    }
+    ++spin.sleeps;
+    const clock::time_point slept_from = clock::now();
     std::uint32_t v = word_.load(std::memory_order_acquire);
     while ((v & state_mask) == 0) {
       if ((v & sleepers_bit) == 0) {
@@ -194,9 +221,11 @@ class alignas(64) status_block {
         }
         v |= sleepers_bit;
       }
-      if (!futex_wait(word_, v, deadline)) return state();
+      if (!futex_wait(word_, v, deadline)) return state();  // the deadline: nothing to learn from
       v = word_.load(std::memory_order_acquire);
     }
+    spin.current = adapted_spin(spun, clock::now() - slept_from, std::chrono::nanoseconds::zero(),
+                                spin.limit);
     return static_cast<transfer_state>(v & state_mask);
   }
 
