@@ -93,6 +93,20 @@ struct manual_round {
   void complete() { completing.succeed(); }
 };
 
+// Rounds of ferry's wait() on a manual transfer; `adaptive` false holds the waiter's spin at zero.
+std::vector<double> ferry_wait_rounds(int n, bool adaptive) {
+  manual_round round;
+  return measure(
+      n, [&] { round.prepare(); },
+      [&](handshake& h) {
+        if (!adaptive) ferry::set_wait_spin_limit(std::chrono::nanoseconds::zero());
+        h.waiting.store(true, std::memory_order_release);
+        (void)round.current.wait();
+        return since(h);
+      },
+      [&] { round.complete(); });
+}
+
 }  // namespace
 
 void run_latency(const options& opt) {
@@ -142,18 +156,9 @@ void run_latency(const options& opt) {
         [&] { round.complete(); });
   }});
 
-  // ferry: blocking wait().
-  kinds.push_back({"ferry wait() (blocking)", [](int n) {
-    manual_round round;
-    return measure(
-        n, [&] { round.prepare(); },
-        [&](handshake& h) {
-          h.waiting.store(true, std::memory_order_release);
-          (void)round.current.wait();
-          return since(h);
-        },
-        [&] { round.complete(); });
-  }});
+  // ferry: blocking wait(), sleeping after its fixed pauses, as a thread that waits seldom or long
+  // does (its adaptive spin held at zero).
+  kinds.push_back({"ferry wait() (blocking)", [](int n) { return ferry_wait_rounds(n, false); }});
 
   // Baseline: condition variable (how mori-io's Wait works, member by member).
   kinds.push_back({"condition variable", [](int n) {
@@ -192,6 +197,10 @@ void run_latency(const options& opt) {
         },
         [&] { p.set_value(); });
   }});
+
+  // ferry: wait() with the default adaptive spin. Rounds end about 30 us after the waiter starts,
+  // within the 500 us limit, so after its first few sleeps the waiter meets them spinning.
+  kinds.push_back({"ferry wait() (adaptive spin)", [](int n) { return ferry_wait_rounds(n, true); }});
 
   // Interleaved passes, each waiter's share in a new order every pass: the machine's load drifts
   // over seconds, and the rows compared with each other should all see the same drift.
