@@ -258,7 +258,7 @@ TEST_CASE("a thread's blocking waits spin longer while its transfers keep comple
   ferry::set_wait_spin_limit(5ms);
   const wait_record busy = wait_on_stream(count, gap);
   CHECK(busy.late_sleeps <= count / 16);
-  CHECK(busy.spin_after >= gap);
+  CHECK(busy.spin_after >= gap / 2);  // a stall past 5 ms near the end may have halved it once
   CHECK(busy.spin_after <= 5ms);
 
   // Completions 20 ms apart, longer than the limit: each sleep halves the spin (from 5 ms, twelve
@@ -267,11 +267,30 @@ TEST_CASE("a thread's blocking waits spin longer while its transfers keep comple
 
   // A lower limit caps the spin at once; the default comes back for the tests after this one.
   ferry::set_wait_spin_limit(5ms);
-  wait_on_stream(count / 4, gap);
+  CHECK(wait_on_stream(count / 4, gap).spin_after > 100us);
   ferry::set_wait_spin_limit(100us);
   CHECK(ferry::this_thread_wait_spin().current <= 100us);
   ferry::set_wait_spin_limit(ferry::default_wait_spin_limit);
   CHECK(ferry::this_thread_wait_spin().limit == 500us);
+}
+
+TEST_CASE("a timed wait's deadline ends its spin, and a timeout halves the spin",
+          "[transfer][concurrency]") {
+  // Grow this thread's spin to tens of milliseconds: completions 30 ms apart under a 1 s limit
+  // double it at every wait, past 32 ms in sixteen.
+  ferry::set_wait_spin_limit(0ns);
+  ferry::set_wait_spin_limit(1s);
+  const std::chrono::nanoseconds grown = wait_on_stream(18, 30ms).spin_after;
+  CHECK(grown >= 32ms);
+
+  // A 1 ms wait on a transfer nobody completes returns near its deadline, not after the spin.
+  auto [t, c] = ferry::make_manual_transfer();
+  const auto start = clock_type::now();
+  CHECK(t.wait_for(1ms) == transfer_state::pending);
+  CHECK(ms_since(start) < 16);
+  CHECK(ferry::this_thread_wait_spin().current == grown / 2);
+  ferry::set_wait_spin_limit(0ns);
+  ferry::set_wait_spin_limit(ferry::default_wait_spin_limit);
 }
 
 TEST_CASE("a thread's wait spin limit: its default, and the values it refuses", "[transfer]") {

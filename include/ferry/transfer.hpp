@@ -232,16 +232,18 @@ class completer {
 }
 
 // Blocking waits (transfer::wait, wait_for) look at the transfer for a while before they sleep on
-// a futex: a few microseconds of pauses, then a spin of the calling thread's own that adapts as
-// run_loop's idle spin does. It starts at none, doubles (up to the thread's limit, 500 µs by
-// default) after a sleep that ended within the limit of the moment the spin began, and halves after
-// a sleep longer than the limit. A thread waiting on a stream of transfers that complete a few
-// hundred microseconds apart (reads kept in flight on a disk) then meets them awake instead of
-// being woken for each; a thread that waits seldom, or long, sleeps after the pauses.
+// a futex: 256 pauses, then a spin of the calling thread's own that adapts as run_loop's idle spin
+// does. It starts at none, doubles (up to the thread's limit, 500 µs by default) after a sleep that
+// ended within the limit of the moment the spin began, and halves after a sleep longer than the
+// limit and after a wait that times out; a wait's deadline also ends its spin. A thread waiting on a
+// stream of transfers that complete a few hundred microseconds apart (reads kept in flight on a
+// disk) then meets them awake instead of being woken for each. The spin does not decay with time
+// alone: after a quiet spell the next wait spins as long as the last did, then halves the spin if it
+// sleeps past the limit.
 struct wait_spin_info {
   std::chrono::nanoseconds limit;
   std::chrono::nanoseconds current;  // what the next wait on this thread spins
-  std::uint64_t sleeps;              // waits on this thread that found the transfer pending after it
+  std::uint64_t sleeps;              // waits on this thread that went on to sleep after it
 };
 
 inline constexpr std::chrono::nanoseconds default_wait_spin_limit =

@@ -8,6 +8,7 @@
 // not linked). Notification runs after the lock is released, so a continuation resumed inline may
 // touch this status again without deadlocking.
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -21,23 +22,26 @@
 
 namespace ferry::detail {
 
-// What a waiter learns when the status it waits on ends. state == pending means the waiter was
-// swept off the list without a completion because its wait had already ended (see expired()).
 // How long blocking waits on this thread look at a transfer before they sleep, beyond the fixed
 // pauses (status_block::spin_before_sleep): from none, adapted between zero and `limit` by
-// adapted_spin (ferry::set_wait_spin_limit sets the limit; ferry::this_thread_wait_spin reads it).
+// adapted_spin, and halved by a wait that times out (ferry::set_wait_spin_limit sets the limit;
+// ferry::this_thread_wait_spin reads it). Not for signal handlers, as no thread_local is.
 struct wait_spin_state {
   static constexpr std::chrono::nanoseconds default_limit = std::chrono::microseconds(500);
   std::chrono::nanoseconds limit = default_limit;
   std::chrono::nanoseconds current{0};
-  std::uint64_t sleeps = 0;  // waits that found the transfer pending after their spin
+  std::uint64_t sleeps = 0;  // waits that went on to the futex after their spin
 };
 
-inline wait_spin_state& this_thread_wait_spin() noexcept {
+// Out of line, so that a coroutine that blocks in wait() on one thread, suspends, and blocks again
+// on another cannot be compiled to reuse the first thread's address for the second.
+[[gnu::noinline]] inline wait_spin_state& this_thread_wait_spin() noexcept {
   thread_local wait_spin_state state;
   return state;
 }
 
+// What a waiter learns when the status it waits on ends. state == pending means the waiter was
+// swept off the list without a completion because its wait had already ended (see expired()).
 struct completion_event {
   transfer_state state = transfer_state::pending;
   std::error_code error;
@@ -206,8 +210,10 @@ class alignas(64) status_block {
     const std::chrono::nanoseconds spun = spin.current;
     if (spun > std::chrono::nanoseconds::zero()) {
       clock::time_point until = clock::now() + spun;  // spun <= limit <= 1 s: no overflow
-      if (deadline != nullptr && *deadline < until) until = *deadline;
+      const bool deadline_first = deadline != nullptr && *deadline < until;
+      if (deadline_first) until = *deadline;
       if (spin_until(until, [this] { return state() != transfer_state::pending; })) return state();
+      if (deadline_first) return timed_out(spin, spun);
     }
     ++spin.sleeps;
     const clock::time_point slept_from = clock::now();
@@ -221,12 +227,22 @@ class alignas(64) status_block {
         }
         v |= sleepers_bit;
       }
-      if (!futex_wait(word_, v, deadline)) return state();  // the deadline: nothing to learn from
+      if (!futex_wait(word_, v, deadline)) return timed_out(spin, spun);
       v = word_.load(std::memory_order_acquire);
     }
-    spin.current = adapted_spin(spun, clock::now() - slept_from, std::chrono::nanoseconds::zero(),
-                                spin.limit);
+    // min(): a limit lowered meanwhile (set_wait_spin_limit is not for signal handlers, but costs
+    // nothing to respect) must not leave the spin above it.
+    spin.current = std::min(adapted_spin(std::min(spun, spin.limit), clock::now() - slept_from,
+                                         std::chrono::nanoseconds::zero(), spin.limit),
+                            spin.limit);
     return static_cast<transfer_state>(v & state_mask);
+  }
+
+  // A wait that reached its deadline: spinning did not meet the completion, so the next wait on this
+  // thread spins half as long (a loop of short timed waits does not keep a long spin going).
+  transfer_state timed_out(wait_spin_state& spin, std::chrono::nanoseconds spun) noexcept {
+    spin.current = std::min(spun / 2, spin.limit);
+    return state();
   }
 
   void add_transfer_ref() noexcept { refs_.fetch_add(1, std::memory_order_relaxed); }
