@@ -231,10 +231,9 @@ class alignas(64) status_block {
       v = word_.load(std::memory_order_acquire);
     }
     // min(): a limit lowered meanwhile (set_wait_spin_limit is not for signal handlers, but costs
-    // nothing to respect) must not leave the spin above it.
-    spin.current = std::min(adapted_spin(std::min(spun, spin.limit), clock::now() - slept_from,
-                                         std::chrono::nanoseconds::zero(), spin.limit),
-                            spin.limit);
+    // nothing to respect) must not break adapted_spin's spin <= limit, which keeps the result within.
+    spin.current = adapted_spin(std::min(spun, spin.limit), clock::now() - slept_from,
+                                std::chrono::nanoseconds::zero(), spin.limit);
     return static_cast<transfer_state>(v & state_mask);
   }
 
