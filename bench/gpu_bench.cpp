@@ -1,4 +1,4 @@
-// The GPU copy backend on a real GPU (HIP, or CUDA with FERRY_HIP_CUDA), each figure beside its
+// The GPU copy backend on a real GPU (HIP, or CUDA with FERRY_GPU_CUDA), each figure beside its
 // baseline in the same run:
 // - device-to-device bandwidth, 64 KiB to 256 MiB: ferry (copy, then wait on the transfer) against
 //   the raw runtime copy followed by a stream synchronize;
@@ -23,11 +23,11 @@
 #include <vector>
 
 #include <ferry/ferry.hpp>
-#include <ferry/hip.hpp>
+#include <ferry/gpu.hpp>
 
 namespace {
 
-namespace fh = ferry::hip;
+namespace fh = ferry::gpu;
 using rt = fh::gpu_runtime;
 using bench_clock = std::chrono::steady_clock;
 

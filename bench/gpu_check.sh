@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds and runs ferry's GPU checks on this machine in one go: the GPU tests (tests/hip_gpu_test.cpp:
+# Builds and runs ferry's GPU checks on this machine in one go: the GPU tests (tests/gpu/gpu_hardware_test.cpp:
 # every copy kind byte-exact, 1000 copies in flight, a when_all over a layer, an invalid pointer) and
 # the GPU benchmark (bench/gpu_bench.cpp: device-to-device bandwidth against the raw runtime, and
 # completion → resume against a blocking event synchronize), then prints a short table last.
@@ -46,7 +46,7 @@ if [[ -f "$CUDA_HOME/include/cuda_runtime_api.h" ]]; then
   runtime="CUDA ($CUDA_HOME)"
   libdir="$CUDA_HOME/lib64"
   [[ -d "$libdir" ]] || libdir="$CUDA_HOME/targets/$(uname -m | sed 's/aarch64/sbsa/')-linux/lib"
-  flags=(-DFERRY_HIP_CUDA -I"$CUDA_HOME/include" -L"$libdir" -Wl,-rpath,"$libdir" -lcudart)
+  flags=(-DFERRY_GPU_CUDA -I"$CUDA_HOME/include" -L"$libdir" -Wl,-rpath,"$libdir" -lcudart)
 elif [[ -f /usr/include/hip/hip_runtime_api.h || -f /opt/rocm/include/hip/hip_runtime_api.h ]]; then
   runtime="HIP"
   flags=(-I/opt/rocm/include -L/opt/rocm/lib -Wl,-rpath,/opt/rocm/lib -lamdhip64)
@@ -57,7 +57,7 @@ fi
 
 echo "# ferry GPU check: $runtime, compiler $cxx ($("$cxx" -dumpversion)), build in $out"
 common=(-std=c++20 -O2 -pthread -Iinclude)
-"$cxx" "${common[@]}" tests/hip_gpu_test.cpp -o "$out/hip_gpu_test" "${flags[@]}"
+"$cxx" "${common[@]}" tests/gpu/gpu_hardware_test.cpp -o "$out/gpu_hardware_test" "${flags[@]}"
 "$cxx" "${common[@]}" bench/gpu_bench.cpp -o "$out/gpu_bench" "${flags[@]}"
 
 gpu="unknown GPU"
@@ -67,7 +67,7 @@ if command -v nvidia-smi >/dev/null 2>&1; then
 fi
 
 set +e
-"$out/hip_gpu_test" | tee "$out/tests.log"
+"$out/gpu_hardware_test" | tee "$out/tests.log"
 test_rc=${PIPESTATUS[0]}
 "$out/gpu_bench" $quick | tee "$out/bench.log"
 bench_rc=${PIPESTATUS[0]}

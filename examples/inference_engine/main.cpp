@@ -23,6 +23,7 @@
 #include <vector>
 
 #include <ferry/ferry.hpp>
+#include <ferry/testing.hpp>
 #include <ferry/kv.hpp>
 
 #if FERRY_EXAMPLE_URING

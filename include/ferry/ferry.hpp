@@ -1,11 +1,13 @@
 #pragma once
 // The core of ferry: transfers and completers, batch verdicts (poll_all, wait_all, when_all, drain),
-// posting with backoff, schedulers, tasks, the progress executor and the in-memory loopback backend.
-// The io_uring, verbs and HIP backends are included explicitly from their own directories.
+// posting with backoff, schedulers, tasks, the progress executor, the completion-source contract and
+// the in-memory loopback backend. Each backend has its own header (<ferry/uring.hpp>,
+// <ferry/verbs.hpp>, <ferry/gpu.hpp>), as do the inference-server layer (<ferry/kv.hpp>) and the test
+// doubles (<ferry/testing.hpp>).
 
 #include "ferry/batch_result.hpp"
+#include "ferry/completion_source.hpp"
 #include "ferry/errors.hpp"
-#include "ferry/fault_injector.hpp"
 #include "ferry/loopback.hpp"
 #include "ferry/poll_all.hpp"
 #include "ferry/post.hpp"

@@ -1,8 +1,8 @@
 #pragma once
 // The in-memory backend: copies between buffers of this process, performed and completed on the
 // progress executor's thread. It is the reference backend for tests, examples and benchmarks, and
-// with faulty_loopback (fault_injector.hpp) the source of failures, delays, reordering and lost
-// completions for soak runs.
+// behind a fault injector (ferry/testing/faulty_loopback.hpp) the source of failures, delays,
+// reordering and lost completions for soak runs.
 
 #include <cstddef>
 #include <cstring>
@@ -15,7 +15,6 @@
 #include "ferry/detail/mpsc_ring.hpp"
 #include "ferry/detail/status_block.hpp"
 #include "ferry/errors.hpp"
-#include "ferry/fault_injector.hpp"
 #include "ferry/progress_executor.hpp"
 #include "ferry/transfer.hpp"
 
@@ -131,30 +130,6 @@ class loopback_backend {
   std::mutex overflow_mutex_;
   std::deque<request> overflow_;
   std::atomic<std::size_t> overflow_size_{0};
-};
-
-// A loopback backend behind a fault_injector: copies really happen, then the injector decides what
-// the caller sees (failure, delay, reordering, a completion that never comes).
-class faulty_loopback {
- public:
-  faulty_loopback(progress_executor& exec, fault_profile profile, loopback_options options = {})
-      : backend_(exec, options), faults_(exec, std::move(profile)) {}
-
-  [[nodiscard]] transfer copy(std::span<std::byte> dst, std::span<const std::byte> src) {
-    return faults_.wrap(backend_.copy(dst, src));
-  }
-
-  [[nodiscard]] transfer copy(std::span<std::byte> dst, std::span<const std::byte> src,
-                              std::size_t bytes) {
-    return faults_.wrap(backend_.copy(dst, src, bytes));
-  }
-
-  [[nodiscard]] fault_injector& faults() noexcept { return faults_; }
-  [[nodiscard]] loopback_backend& backend() noexcept { return backend_; }
-
- private:
-  loopback_backend backend_;  // declared first: destroyed after the injector that wraps it
-  fault_injector faults_;
 };
 
 }  // namespace ferry

@@ -30,15 +30,16 @@
 
 #include <pthread.h>
 #include <sched.h>
-#include <signal.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <time.h>
 #include <unistd.h>
 
+#include "ferry/completion_source.hpp"
+#include "ferry/detail/full_barrier.hpp"
 #include "ferry/detail/futex.hpp"
+#include "ferry/detail/spin.hpp"
 #include "ferry/detail/timer_service.hpp"
-#include "ferry/when_all.hpp"
 
 namespace ferry {
 
@@ -70,41 +71,6 @@ struct executor_counters {
   std::uint64_t parks = 0;         // times the thread slept
   std::uint64_t wakeups = 0;       // eventfd writes by notify()
   std::uint64_t timers_fired = 0;
-};
-
-// poll(budget) handles up to `budget` completions and returns how many it handled.
-template <class S>
-concept completion_source = requires(S& s, std::size_t budget) {
-  { s.poll(budget) } -> std::convertible_to<std::size_t>;
-};
-
-// A source with a descriptor that becomes readable when it has completions (an io_uring ring, a verbs
-// completion channel). Without one, the source's submitters call progress_executor::notify().
-template <class S>
-concept parkable_source = completion_source<S> && requires(S& s) {
-  { s.park_fd() } -> std::convertible_to<int>;
-};
-
-// A source that must be asked to signal its descriptor (ibv_req_notify_cq). arm() returns false when
-// completions arrived meanwhile: the executor then polls instead of sleeping.
-template <class S>
-concept armable_source = requires(S& s) {
-  { s.arm() } -> std::convertible_to<bool>;
-};
-
-// A source that knows when it has I/O out whose completion is worth waiting for awake (file reads and
-// writes, not socket receives that may wait on a peer indefinitely): while in_flight(), adaptive mode
-// spins for executor_options::in_flight_spin rather than spin_budget before parking.
-template <class S>
-concept in_flight_source = requires(const S& s) {
-  { s.in_flight() } -> std::convertible_to<bool>;
-};
-
-// A source whose completions nothing can signal (GPU events): while busy() it has work out that
-// only polling will find, and the executor does not park.
-template <class S>
-concept busy_source = requires(const S& s) {
-  { s.busy() } -> std::convertible_to<bool>;
 };
 
 class progress_executor {
@@ -302,16 +268,6 @@ class progress_executor {
     epoll_fd_ = wake_fd_ = -1;
   }
 
-  // io_uring tries a write inline, on this thread: to a pipe or socket whose reader has gone, the
-  // kernel then sends this thread SIGPIPE, whose default action ends the process. Blocked here, it
-  // stays pending on this thread and the write fails with EPIPE, as a transfer should.
-  static void block_sigpipe() noexcept {
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGPIPE);
-    ::pthread_sigmask(SIG_BLOCK, &set, nullptr);
-  }
-
   void pin() noexcept {
     if (options_.cpu < 0) return;
     cpu_set_t set;
@@ -323,7 +279,6 @@ class progress_executor {
   void run() {
     thread_id_.store(std::this_thread::get_id(), std::memory_order_release);
     ::pthread_setname_np(::pthread_self(), "ferry-progress");
-    block_sigpipe();
     pin();
     std::uint64_t seen_generation = ~std::uint64_t{0};
     std::uint64_t completions = 0;
@@ -510,13 +465,5 @@ class progress_executor {
   std::atomic<std::thread::id> thread_id_{};
   std::thread thread_;
 };
-
-template <class Rep, class Period>
-[[nodiscard]] when_all_awaitable when_all(progress_executor& exec,
-                                          std::span<const transfer> members,
-                                          std::chrono::duration<Rep, Period> timeout) {
-  const detail::timeout t = detail::make_timeout(timeout);
-  return when_all_awaitable(members, t, t.is_bounded() ? &exec.timers() : nullptr);
-}
 
 }  // namespace ferry

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "ferry/detail/futex.hpp"
+#include "ferry/detail/spin.hpp"
 #include "ferry/detail/short_hold_mutex.hpp"
 #include "ferry/detail/timeout.hpp"
 

@@ -12,6 +12,7 @@
 #include "ferry/detail/timeout.hpp"
 #include "ferry/detail/timer_service.hpp"
 #include "ferry/poll_all.hpp"
+#include "ferry/progress_executor.hpp"
 #include "ferry/scheduler.hpp"
 #include "ferry/transfer.hpp"
 
@@ -85,12 +86,20 @@ class [[nodiscard]] when_all_awaitable {
 };
 
 // The deadline is served by a process-wide timer thread, started on first use. The overload taking a
-// progress_executor (progress_executor.hpp) uses that executor's timers instead.
+// progress_executor uses that executor's timers instead.
 template <class Rep, class Period>
 [[nodiscard]] when_all_awaitable when_all(std::span<const transfer> members,
                                           std::chrono::duration<Rep, Period> timeout) {
   const detail::timeout t = detail::make_timeout(timeout);
   return when_all_awaitable(members, t, t.is_bounded() ? &detail::process_timers() : nullptr);
+}
+
+template <class Rep, class Period>
+[[nodiscard]] when_all_awaitable when_all(progress_executor& exec,
+                                          std::span<const transfer> members,
+                                          std::chrono::duration<Rep, Period> timeout) {
+  const detail::timeout t = detail::make_timeout(timeout);
+  return when_all_awaitable(members, t, t.is_bounded() ? &exec.timers() : nullptr);
 }
 
 }  // namespace ferry

@@ -26,6 +26,7 @@
 #include "ferry/batch_result.hpp"
 #include "ferry/detail/block_pool.hpp"
 #include "ferry/detail/futex.hpp"
+#include "ferry/detail/spin.hpp"
 #include "ferry/detail/status_block.hpp"
 #include "ferry/detail/timer_service.hpp"
 #include "ferry/poll_all.hpp"

@@ -11,6 +11,7 @@
 #include <mutex>
 
 #include "ferry/detail/futex.hpp"
+#include "ferry/detail/spin.hpp"
 
 namespace ferry::detail {
 

@@ -17,6 +17,7 @@
 
 #include "ferry/detail/block_pool.hpp"
 #include "ferry/detail/futex.hpp"
+#include "ferry/detail/spin.hpp"
 #include "ferry/errors.hpp"
 #include "ferry/transfer_state.hpp"
 

@@ -34,6 +34,7 @@
 #include "ferry/batch_result.hpp"
 #include "ferry/detail/timeout.hpp"
 #include "ferry/errors.hpp"
+#include "ferry/kv/errors.hpp"
 #include "ferry/kv/post.hpp"
 #include "ferry/transfer.hpp"
 #include "ferry/wait_all.hpp"
@@ -442,7 +443,7 @@ class load_tracker {
     }
     if (r.members.empty()) {
       a.verdict = request_verdict::failed;
-      a.error = make_error_code(errc::empty_request);
+      a.error = make_error_code(kv::errc::empty_request);
       return a;
     }
     std::uint64_t first_sequence = 0;

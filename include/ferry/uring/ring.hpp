@@ -41,6 +41,8 @@
 // set-up (`defers_task_work()` tells), whose destructor does that work on its own thread.
 
 #include <liburing.h>
+#include <pthread.h>
+#include <signal.h>
 
 #include <algorithm>
 #include <atomic>
@@ -64,10 +66,11 @@
 #include <unistd.h>
 
 #include "ferry/detail/block_pool.hpp"
-#include "ferry/detail/futex.hpp"
+#include "ferry/detail/full_barrier.hpp"
 #include "ferry/detail/status_block.hpp"
 #include "ferry/detail/submission_stack.hpp"
 #include "ferry/errors.hpp"
+#include "ferry/uring/errors.hpp"
 #include "ferry/progress_executor.hpp"
 #include "ferry/transfer.hpp"
 
@@ -362,29 +365,30 @@ class ring {
       release_closing_op();
       throw;
     }
-    if (deferred_) {
-      // The thread that enables the ring becomes its one issuer.
-      int e = 0;
-      try {
-        e = on_executor([this]() noexcept {
-          return ::syscall(__NR_io_uring_register, ring_.ring_fd, IORING_REGISTER_ENABLE_RINGS,
-                           nullptr, 0) < 0
-                     ? -errno
-                     : 0;
-        });
-      } catch (...) {
-        exec_.remove_source(*this);
-        close_ring();
-        release_closing_op();
-        throw;
-      }
-      if (e < 0) {
-        exec_.remove_source(*this);
-        close_ring();
-        release_closing_op();
-        throw std::system_error(-e, std::system_category(),
-                                "ferry::uring::ring: enabling the ring on the executor thread");
-      }
+    // On the executor thread, which issues every request: SIGPIPE blocked, and with deferred task
+    // work the ring enabled (the thread that enables it becomes its one issuer).
+    int e = 0;
+    try {
+      e = on_executor([this]() noexcept {
+        block_sigpipe();
+        if (!deferred_) return 0;
+        return ::syscall(__NR_io_uring_register, ring_.ring_fd, IORING_REGISTER_ENABLE_RINGS,
+                         nullptr, 0) < 0
+                   ? -errno
+                   : 0;
+      });
+    } catch (...) {
+      exec_.remove_source(*this);
+      close_ring();
+      release_closing_op();
+      throw;
+    }
+    if (e < 0) {
+      exec_.remove_source(*this);
+      close_ring();
+      release_closing_op();
+      throw std::system_error(-e, std::system_category(),
+                              "ferry::uring::ring: enabling the ring on the executor thread");
     }
   }
 
@@ -393,7 +397,7 @@ class ring {
 
   // Waits for everything the kernel still holds: operations in flight are cancelled and their own
   // completions awaited, so no buffer is written after this returns. Operations not yet given to
-  // the kernel fail with errc::backend_shut_down. Every tcp_connection on this ring must be gone.
+  // the kernel fail with ferry::errc::backend_shut_down. Every tcp_connection on this ring must be gone.
   ~ring() {
     if (exec_.on_executor_thread()) {
       // A continuation resumed inline may be inside this ring's own poll() (reap() holding taken
@@ -634,6 +638,17 @@ class ring {
 
   static constexpr std::size_t max_chunk = std::size_t{1} << 30;  // an SQE's length is 32 bits
 
+  // io_uring tries a write inline, on the issuing thread: to a pipe or socket whose reader has
+  // gone, the kernel then sends that thread SIGPIPE, whose default action ends the process. Blocked
+  // on the executor thread, it stays pending there and the write fails with EPIPE, as a transfer
+  // should.
+  static void block_sigpipe() noexcept {
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGPIPE);
+    ::pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  }
+
   // An SQE names a registered buffer in 16 bits (the kernel registers at most 16384).
   static constexpr unsigned max_buffer_index = 0xffff;
 
@@ -662,7 +677,7 @@ class ring {
 
   transfer submit_io(op_kind kind, file_ref file, std::byte* buffer, std::size_t length,
                      std::uint64_t offset, int buffer_index) {
-    if (length == 0) return make_completed_transfer(transfer_state::failed, errc::empty_buffer);
+    if (length == 0) return make_completed_transfer(transfer_state::failed, ferry::errc::empty_buffer);
     op* o = op::make(kind);
     o->fd = file.descriptor();
     o->fixed_file = file.fixed();
@@ -687,7 +702,7 @@ class ring {
       }
       total += v.iov_len;
     }
-    if (total == 0) return make_completed_transfer(transfer_state::failed, errc::empty_buffer);
+    if (total == 0) return make_completed_transfer(transfer_state::failed, ferry::errc::empty_buffer);
     op* o = op::make(kind);
     o->fd = file.descriptor();
     o->fixed_file = file.fixed();
@@ -730,7 +745,7 @@ class ring {
       for (std::size_t i = 0; i < n; ++i) {
         const auto [data, length] = buffer_of(i);
         if (length == 0) {
-          out[i] = make_completed_transfer(transfer_state::failed, errc::empty_buffer);
+          out[i] = make_completed_transfer(transfer_state::failed, ferry::errc::empty_buffer);
           continue;
         }
         if (registered != nullptr) {
@@ -1117,7 +1132,7 @@ class ring {
 
   void continue_partial(op* o) noexcept {
     if (o->cancel_requested) return finish(o, transfer_state::cancelled, {});
-    if (shutting_down_) return finish(o, transfer_state::failed, make_error_code(errc::backend_shut_down));
+    if (shutting_down_) return finish(o, transfer_state::failed, make_error_code(ferry::errc::backend_shut_down));
     resubmitted_.fetch_add(1, std::memory_order_relaxed);
     resume(o);
   }
@@ -1191,7 +1206,7 @@ class ring {
     } else if (lead->cancel_requested) {
       cancelled = true;
     } else {
-      ec = make_error_code(errc::backend_shut_down);
+      ec = make_error_code(ferry::errc::backend_shut_down);
     }
     end_send_group(c, cancelled, ec);
   }
@@ -1322,7 +1337,7 @@ class ring {
         if (o->cancel_requested || shutting_down_) {
           c->receive_error = make_error_code(errc::connection_broken);
           to = o->cancel_requested ? transfer_state::cancelled : transfer_state::failed;
-          if (!o->cancel_requested) ec = make_error_code(errc::backend_shut_down);
+          if (!o->cancel_requested) ec = make_error_code(ferry::errc::backend_shut_down);
         } else {
           resume(o);
           return;
@@ -1566,9 +1581,9 @@ class ring {
     if (o->kind == op_kind::send && o->connection->sending &&
         o->connection->send_group[0] == o) {
       // The lead of a send group: the whole group ends.
-      return end_send_group(o->connection, false, make_error_code(errc::backend_shut_down));
+      return end_send_group(o->connection, false, make_error_code(ferry::errc::backend_shut_down));
     }
-    finish(o, transfer_state::failed, make_error_code(errc::backend_shut_down));
+    finish(o, transfer_state::failed, make_error_code(ferry::errc::backend_shut_down));
   }
 
   // tcp.hpp: a connection's operations go through the same stack as everything else.
@@ -1595,7 +1610,7 @@ class ring {
     std::size_t n = 0;
     while (op* o = calls_.pop()) {
       if (refuse) {
-        finish(o, transfer_state::failed, make_error_code(errc::backend_shut_down));
+        finish(o, transfer_state::failed, make_error_code(ferry::errc::backend_shut_down));
         ++n;
         continue;
       }

@@ -1320,7 +1320,7 @@ class basic_device {
       // Not a ferry notification: fail whoever waits for one, and keep the receive going.
       if (op_body* w = q->waiters.pop()) {
         cancel_timer(w);
-        end_wait(w, transfer_state::failed, make_error_code(ferry::errc::bad_frame));
+        end_wait(w, transfer_state::failed, make_error_code(errc::bad_notification));
       }
       repost(q, slot);
       return;

@@ -8,6 +8,8 @@
 #include <string>
 #include <system_error>
 
+#include "ferry/detail/error_category.hpp"
+
 namespace ferry::verbs {
 
 enum class errc : int {
@@ -26,6 +28,7 @@ enum class errc : int {
   handshake_failed,
   queue_pair_timed_out,   // a request's deadline passed in the adapter: the queue pair was flushed
   peer_unreachable,       // the peer did not answer (IBV_WC_RETRY_EXC_ERR): a check or a request
+  bad_notification,       // a received message is not a ferry notification
 };
 
 namespace detail {
@@ -71,52 +74,6 @@ class work_completion_category_impl final : public std::error_category {
   }
 };
 
-class error_category_impl final : public std::error_category {
- public:
-  [[nodiscard]] const char* name() const noexcept override { return "ferry.verbs"; }
-  [[nodiscard]] std::string message(int value) const override {
-    switch (static_cast<errc>(value)) {
-      case errc::queue_pair_error:
-        return "queue pair is in the error state (an earlier work request failed, or it was moved "
-               "to error), so nothing more can be posted on it";
-      case errc::queue_pair_fatal:
-        return "asynchronous event IBV_EVENT_QP_FATAL (or a request or access error event) on the "
-               "queue pair";
-      case errc::completion_queue_error:
-        return "asynchronous event IBV_EVENT_CQ_ERR: the completion queue failed";
-      case errc::device_fatal:
-        return "asynchronous event IBV_EVENT_DEVICE_FATAL: the RDMA device failed";
-      case errc::port_down:
-        return "asynchronous event IBV_EVENT_PORT_ERR: the queue pair's port went down";
-      case errc::deadline_exceeded:
-        return "deadline passed before the work completion arrived (a request the adapter held was "
-               "taken back by moving its queue pair to the error state)";
-      case errc::batch_exceeds_send_queue:
-        return "batch has more work requests than the queue pair's send queue can ever hold";
-      case errc::outside_local_region:
-        return "local slice belongs to no memory region registered on this queue pair's device";
-      case errc::length_mismatch:
-        return "local and remote slices of a READ or WRITE differ in length";
-      case errc::message_too_large:
-        return "slice is larger than the largest RDMA message (2 GiB)";
-      case errc::queue_pair_closed:
-        return "queue pair was closed before the request completed";
-      case errc::not_connected:
-        return "queue pair is not connected to a peer yet";
-      case errc::handshake_failed:
-        return "connection handshake over the TCP side channel failed";
-      case errc::queue_pair_timed_out:
-        return "a request's deadline passed while the adapter held it, so the queue pair was moved "
-               "to the error state to take it back; nothing more can be posted on it";
-      case errc::peer_unreachable:
-        return "the peer did not answer (a request, or a check that it is still there, failed with "
-               "IBV_WC_RETRY_EXC_ERR): its queue pair or process has gone, it is not connected "
-               "yet, or the path to it is down; nothing more can be posted on the queue pair";
-    }
-    return "unknown ferry.verbs error " + std::to_string(value);
-  }
-};
-
 }  // namespace detail
 
 [[nodiscard]] inline const std::error_category& work_completion_category() noexcept {
@@ -124,9 +81,52 @@ class error_category_impl final : public std::error_category {
   return category;
 }
 
+[[nodiscard]] constexpr const char* describe(errc e) noexcept {
+  switch (e) {
+    case errc::queue_pair_error:
+      return "queue pair is in the error state (an earlier work request failed, or it was moved "
+             "to error), so nothing more can be posted on it";
+    case errc::queue_pair_fatal:
+      return "asynchronous event IBV_EVENT_QP_FATAL (or a request or access error event) on the "
+             "queue pair";
+    case errc::completion_queue_error:
+      return "asynchronous event IBV_EVENT_CQ_ERR: the completion queue failed";
+    case errc::device_fatal:
+      return "asynchronous event IBV_EVENT_DEVICE_FATAL: the RDMA device failed";
+    case errc::port_down:
+      return "asynchronous event IBV_EVENT_PORT_ERR: the queue pair's port went down";
+    case errc::deadline_exceeded:
+      return "deadline passed before the work completion arrived (a request the adapter held was "
+             "taken back by moving its queue pair to the error state)";
+    case errc::batch_exceeds_send_queue:
+      return "batch has more work requests than the queue pair's send queue can ever hold";
+    case errc::outside_local_region:
+      return "local slice belongs to no memory region registered on this queue pair's device";
+    case errc::length_mismatch:
+      return "local and remote slices of a READ or WRITE differ in length";
+    case errc::message_too_large:
+      return "slice is larger than the largest RDMA message (2 GiB)";
+    case errc::queue_pair_closed:
+      return "queue pair was closed before the request completed";
+    case errc::not_connected:
+      return "queue pair is not connected to a peer yet";
+    case errc::handshake_failed:
+      return "connection handshake over the TCP side channel failed";
+    case errc::queue_pair_timed_out:
+      return "a request's deadline passed while the adapter held it, so the queue pair was moved "
+             "to the error state to take it back; nothing more can be posted on it";
+    case errc::peer_unreachable:
+      return "the peer did not answer (a request, or a check that it is still there, failed with "
+             "IBV_WC_RETRY_EXC_ERR): its queue pair or process has gone, it is not connected "
+             "yet, or the path to it is down; nothing more can be posted on the queue pair";
+    case errc::bad_notification:
+      return "received message is not a ferry notification (a peer not speaking ferry's protocol)";
+  }
+  return nullptr;
+}
+
 [[nodiscard]] inline const std::error_category& error_category() noexcept {
-  static const detail::error_category_impl category;
-  return category;
+  return ferry::detail::error_category_of<errc, describe>("ferry.verbs");
 }
 
 [[nodiscard]] inline std::error_code make_error_code(errc e) noexcept {

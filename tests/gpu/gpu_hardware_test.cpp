@@ -1,5 +1,5 @@
 // The GPU copy backend on a real GPU, through the runtime this build targets (HIP, or CUDA with
-// FERRY_HIP_CUDA): byte-exact copies of every kind, 1000 copies in flight across streams, a when_all
+// FERRY_GPU_CUDA): byte-exact copies of every kind, 1000 copies in flight across streams, a when_all
 // over a layer's copies, and a copy from an invalid pointer failing with a clear error. Where no GPU
 // is present it exits 77, which meson test reports as skipped, and says why.
 
@@ -15,12 +15,12 @@
 #include <vector>
 
 #include <ferry/ferry.hpp>
-#include <ferry/hip.hpp>
+#include <ferry/gpu.hpp>
 
 namespace {
 
 using namespace std::chrono_literals;
-namespace fh = ferry::hip;
+namespace fh = ferry::gpu;
 using rt = fh::gpu_runtime;
 
 int failures = 0;

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include <ferry/ferry.hpp>
+#include <ferry/testing.hpp>
 #include <ferry/kv.hpp>
 
 #include "helpers.hpp"
@@ -91,7 +92,7 @@ TEST_CASE("kv property 2: an empty or unsealed request is never taken as complet
     const auto done = tracker.take_finished();
     REQUIRE(done.size() == 1);
     CHECK(done[0].verdict == request_verdict::failed);
-    CHECK(done[0].error == ferry::errc::empty_request);
+    CHECK(done[0].error == ferry::kv::errc::empty_request);
   }
 }
 

@@ -13,11 +13,11 @@
 #include <vector>
 
 #include <ferry/ferry.hpp>
-#include <ferry/hip/copy_engine.hpp>
-#include <ferry/hip/fake.hpp>
+#include <ferry/gpu/copy_engine.hpp>
+#include <ferry/testing/fake_gpu.hpp>
 
 #include "helpers.hpp"
-#include "hip_helpers.hpp"
+#include "gpu/gpu_helpers.hpp"
 
 namespace {
 
@@ -74,8 +74,8 @@ ferry_test::detached_inline submit_after(transfer t, engine* e, transfer* out, s
 // on device 0 for submitters on other threads: the record fails (the copy is synchronously waited
 // for and failed), and the wrong-device event goes back into the pool, where it fails later copies
 // from any thread.
-TEST_CASE("hip: an engine on device 1 makes its events there, whichever thread needs one",
-          "[hip]") {
+TEST_CASE("gpu: an engine on device 1 makes its events there, whichever thread needs one",
+          "[gpu]") {
   device_count two(2);
   ferry::progress_executor exec;
   fh::copy_engine_options o;
@@ -101,8 +101,8 @@ TEST_CASE("hip: an engine on device 1 makes its events there, whichever thread n
 
 // Was: the constructor switches the calling thread's current device and leaves it
 // switched, so the caller's next plain runtime call (malloc, kernel launch) goes to another GPU.
-TEST_CASE("hip: constructing an engine on device 1 leaves the caller's current device alone",
-          "[hip]") {
+TEST_CASE("gpu: constructing an engine on device 1 leaves the caller's current device alone",
+          "[gpu]") {
   device_count two(2);
   ferry::progress_executor exec;
   fh::fake::current_device = 0;
@@ -116,7 +116,7 @@ TEST_CASE("hip: constructing an engine on device 1 leaves the caller's current d
 // Was (fairness): poll() walks the lanes from 0 every round and stops when the budget is spent, so
 // while lane 0 has a budget's worth of finished copies each round, lane 1 is never looked at: its
 // finished copy stays pending.
-TEST_CASE("hip: a busy stream 0 does not starve a finished copy on stream 1", "[hip]") {
+TEST_CASE("gpu: a busy stream 0 does not starve a finished copy on stream 1", "[gpu]") {
   copy_time instant(0ns);
   ferry::executor_options eo;
   eo.poll_budget = 256;
@@ -156,7 +156,7 @@ TEST_CASE("hip: a busy stream 0 does not starve a finished copy on stream 1", "[
 
 // Was (counters): park() counts every source whose arm() says "don't sleep" as a completion. The
 // copy engine's arm() says so whenever a copy is out, so one slow copy in park mode reports many.
-TEST_CASE("hip: one slow copy counts as one executor completion", "[hip]") {
+TEST_CASE("gpu: one slow copy counts as one executor completion", "[gpu]") {
   copy_time slow(30ms);
   ferry::executor_options eo;
   eo.mode = ferry::progress_mode::park;
@@ -173,7 +173,7 @@ TEST_CASE("hip: one slow copy counts as one executor completion", "[hip]") {
 
 // Was (cost): while any copy is out the executor never sleeps, yet each round of park mode (and each
 // spin-budget expiry in adaptive mode) announces sleep; submitters that see it pay an eventfd write.
-TEST_CASE("hip: while copies are out the executor never announces sleep, so submitters never write its eventfd", "[hip]") {
+TEST_CASE("gpu: while copies are out the executor never announces sleep, so submitters never write its eventfd", "[gpu]") {
   ferry::executor_options eo;
   eo.mode = ferry::progress_mode::park;
   ferry::progress_executor exec(eo);
@@ -202,7 +202,7 @@ TEST_CASE("hip: while copies are out the executor never announces sleep, so subm
 
 // Was (counters): a copy refused at submission is counted in `failed` but not in `submitted`, so
 // submitted == completed + failed + outstanding does not hold.
-TEST_CASE("hip: counters add up after a refused copy", "[hip]") {
+TEST_CASE("gpu: counters add up after a refused copy", "[gpu]") {
   ferry::progress_executor exec;
   engine e(exec);
   std::vector<std::byte> a(16), b(16);
@@ -215,8 +215,8 @@ TEST_CASE("hip: counters add up after a refused copy", "[hip]") {
 // Was: the destructor completes transfers on the destroying thread; a continuation resumed
 // inline there that submits another copy (to any lane) appends it after that lane was drained. It is
 // never completed, not even as abandoned, and its stream is destroyed under it.
-TEST_CASE("hip: a copy submitted from a continuation the destructor resumes is refused, not lost",
-          "[hip]") {
+TEST_CASE("gpu: a copy submitted from a continuation the destructor resumes is refused, not lost",
+          "[gpu]") {
   copy_time slow(5ms);
   ferry::progress_executor exec;
   ferry_test::engine_thread loop;
@@ -241,7 +241,7 @@ TEST_CASE("hip: a copy submitted from a continuation the destructor resumes is r
 
 // Guard: a copy submitted while the executor parks is noticed; no lost wake-up under a
 // park-mode executor with instant copies from several threads.
-TEST_CASE("hip: a park-mode executor never loses a submitted copy", "[hip][concurrency]") {
+TEST_CASE("gpu: a park-mode executor never loses a submitted copy", "[gpu][concurrency]") {
   copy_time instant(0ns);
   ferry::executor_options eo;
   eo.mode = ferry::progress_mode::park;

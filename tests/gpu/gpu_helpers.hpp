@@ -5,14 +5,14 @@
 #include <chrono>
 
 #include <ferry/ferry.hpp>
-#include <ferry/hip/copy_engine.hpp>
-#include <ferry/hip/fake.hpp>
+#include <ferry/gpu/copy_engine.hpp>
+#include <ferry/testing/fake_gpu.hpp>
 
 #include "helpers.hpp"
 
 namespace ferry_test::hip {
 
-namespace fh = ferry::hip;
+namespace fh = ferry::gpu;
 using engine = fh::basic_copy_engine<fh::fake::runtime>;
 using ferry::transfer;
 using ferry::transfer_state;

@@ -22,7 +22,7 @@
 #include <ferry/wait_all.hpp>
 
 #include "helpers.hpp"
-#include "uring_helpers.hpp"
+#include "uring/uring_helpers.hpp"
 
 using namespace ferry_test;
 using ferry::transfer_state;
@@ -289,7 +289,7 @@ TEST_CASE("tcp: a peer process killed mid-block fails the receive and never hang
   uring::received_block got;
   ferry::transfer t = conn.receive(dst, got);
   REQUIRE(t.wait_for(hang_bound) == transfer_state::failed);
-  const bool closed = t.error() == ferry::errc::connection_closed ||
+  const bool closed = t.error() == ferry::uring::errc::connection_closed ||
                       t.error() == std::error_code(ECONNRESET, std::system_category());
   CHECK(closed);
   CHECK(got.id == 7);  // the header did arrive
@@ -317,17 +317,17 @@ TEST_CASE("tcp: a peer that closes between blocks, or sends garbage, or too much
     ::shutdown(peer.get(), SHUT_WR);
     ferry::transfer t = conn.receive(dst, got);
     REQUIRE(t.wait_for(hang_bound) == transfer_state::failed);
-    CHECK(t.error() == ferry::errc::connection_closed);
+    CHECK(t.error() == ferry::uring::errc::connection_closed);
   }
   SECTION("bytes that are not a ferry frame") {
     const char junk[24] = "GET / HTTP/1.1\r\n\r\n";
     write_all(peer.get(), junk, sizeof junk);
     ferry::transfer t = conn.receive(dst, got);
     REQUIRE(t.wait_for(hang_bound) == transfer_state::failed);
-    CHECK(t.error() == ferry::errc::bad_frame);
+    CHECK(t.error() == ferry::uring::errc::bad_frame);
     ferry::transfer later = conn.receive(dst, got);
     REQUIRE(later.wait_for(hang_bound) == transfer_state::failed);
-    CHECK(later.error() == ferry::errc::connection_broken);
+    CHECK(later.error() == ferry::uring::errc::connection_broken);
   }
   SECTION("a header whose reserved field is not zero") {
     uring::detail::frame_header h;
@@ -335,7 +335,7 @@ TEST_CASE("tcp: a peer that closes between blocks, or sends garbage, or too much
     write_all(peer.get(), &h, sizeof h);
     ferry::transfer t = conn.receive(dst, got);
     REQUIRE(t.wait_for(hang_bound) == transfer_state::failed);
-    CHECK(t.error() == ferry::errc::bad_frame);
+    CHECK(t.error() == ferry::uring::errc::bad_frame);
   }
   SECTION("a block larger than the destination") {
     uring::detail::frame_header h;
@@ -343,7 +343,7 @@ TEST_CASE("tcp: a peer that closes between blocks, or sends garbage, or too much
     write_all(peer.get(), &h, sizeof h);
     ferry::transfer t = conn.receive(dst, got);
     REQUIRE(t.wait_for(hang_bound) == transfer_state::failed);
-    CHECK(t.error() == ferry::errc::block_too_large);
+    CHECK(t.error() == ferry::uring::errc::block_too_large);
   }
   SECTION("sending to a peer that is gone is an error, not SIGPIPE") {
     peer.reset();
@@ -509,7 +509,7 @@ TEST_CASE("tcp: closing a connection ends its transfers", "[tcp][concurrency]") 
   CHECK(in_flight.state() != transfer_state::success);
   // A closed handle refuses new work with a clear error.
   ferry::transfer refused = c.server.receive(dst, a);
-  CHECK(refused.error() == ferry::errc::connection_closed);
+  CHECK(refused.error() == ferry::uring::errc::connection_closed);
 }
 
 TEST_CASE("tcp: sends are never stuck behind receives that fill the ring", "[tcp][concurrency]") {
@@ -754,14 +754,14 @@ TEST_CASE("tcp: a frame cut part-way by a cancel ends the peer's receive instead
   REQUIRE(cut.wait_for(hang_bound) == transfer_state::cancelled);
   ferry::transfer after = c.client.send(2, std::span(big).first(10));
   REQUIRE(after.wait_for(hang_bound) == transfer_state::failed);
-  REQUIRE(after.error() == ferry::errc::connection_broken);  // it was cut, not at a boundary
+  REQUIRE(after.error() == ferry::uring::errc::connection_broken);  // it was cut, not at a boundary
 
   // The peer has the header and part of the payload; the rest never comes, and it is told so.
   std::vector<std::byte> dst(big.size());
   uring::received_block got;
   ferry::transfer receive = c.server.receive(dst, got);
   REQUIRE(receive.wait_for(hang_bound) == transfer_state::failed);
-  CHECK(receive.error() == ferry::errc::connection_closed);
+  CHECK(receive.error() == ferry::uring::errc::connection_closed);
   CHECK(got.length == big.size());
   // The other direction is untouched.
   const auto reply = byte_pattern(100, 8);

@@ -1,7 +1,7 @@
 #pragma once
 // Which memories a GPU copy moves between.
 
-namespace ferry::hip {
+namespace ferry::gpu {
 
 enum class copy_kind {
   device_to_device,  // within one GPU
@@ -10,4 +10,9 @@ enum class copy_kind {
   device_to_host,
 };
 
-}  // namespace ferry::hip
+}  // namespace ferry::gpu
+
+namespace ferry {
+// The backend's earlier name (it covers the CUDA runtime too): ferry::hip:: names the same things.
+namespace hip = gpu;
+}  // namespace ferry

@@ -3,8 +3,8 @@
 // functions over plain int error codes. `hip_runtime` (here) forwards to the HIP runtime on AMD
 // GPUs; `cuda_runtime` (cuda_runtime.hpp) forwards the same calls to the CUDA runtime on NVIDIA
 // GPUs, since Debian's HIP 5.2 headers for NVIDIA do not compile against CUDA 13; `fake::runtime`
-// (fake.hpp) answers them in process for tests. The backend is a template over the choice, made at
-// build time (ferry/hip.hpp), so one backend serves all three.
+// (ferry/testing/fake_gpu.hpp) answers them in process for tests. The backend is a template over the choice, made at
+// build time (ferry/gpu.hpp), so one backend serves all three.
 
 #include <cstddef>
 
@@ -13,9 +13,9 @@
 #endif
 #include <hip/hip_runtime_api.h>
 
-#include "ferry/hip/copy_kind.hpp"
+#include "ferry/gpu/copy_kind.hpp"
 
-namespace ferry::hip {
+namespace ferry::gpu {
 
 struct hip_runtime {
   using stream_handle = hipStream_t;
@@ -80,4 +80,4 @@ struct hip_runtime {
   }
 };
 
-}  // namespace ferry::hip
+}  // namespace ferry::gpu

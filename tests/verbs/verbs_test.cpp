@@ -25,7 +25,7 @@
 #include <ferry/verbs/handshake.hpp>
 
 #include "helpers.hpp"
-#include "verbs_helpers.hpp"
+#include "verbs/verbs_helpers.hpp"
 
 namespace {
 

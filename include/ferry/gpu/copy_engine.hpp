@@ -1,7 +1,7 @@
 #pragma once
 // The GPU copy backend: device-to-device, peer, host-to-device and device-to-host copies as
 // transfers whose completion the progress executor detects. A template over the GPU runtime
-// (runtime.hpp: HIP; cuda_runtime.hpp: CUDA; fake.hpp: in process).
+// (hip_runtime.hpp: HIP; cuda_runtime.hpp: CUDA; ferry/testing/fake_gpu.hpp: in process).
 //
 // Submission. copy() runs on the caller's thread: it takes an event from a pool (timing disabled),
 // enqueues the copy on one of a pool of non-blocking streams and records the event behind it, and
@@ -39,11 +39,11 @@
 #include "ferry/detail/block_pool.hpp"
 #include "ferry/detail/status_block.hpp"
 #include "ferry/errors.hpp"
-#include "ferry/hip/copy_kind.hpp"
+#include "ferry/gpu/copy_kind.hpp"
 #include "ferry/progress_executor.hpp"
 #include "ferry/transfer.hpp"
 
-namespace ferry::hip {
+namespace ferry::gpu {
 
 namespace detail {
 
@@ -121,7 +121,7 @@ class basic_copy_engine {
   basic_copy_engine(progress_executor& exec, copy_engine_options options = {})
       : exec_(exec), options_(options) {
     if (options_.streams == 0) {
-      throw std::invalid_argument("ferry::hip::copy_engine_options::streams must be at least 1");
+      throw std::invalid_argument("ferry::gpu::copy_engine_options::streams must be at least 1");
     }
     int devices = 0;
     check(R::device_count(devices), "device_count");
@@ -178,7 +178,7 @@ class basic_copy_engine {
   [[nodiscard]] transfer copy_on(unsigned stream, void* dst, const void* src, std::size_t bytes,
                                  copy_kind kind) {
     if (stream >= options_.streams) {
-      throw std::out_of_range("ferry::hip::copy_engine::copy_on: stream " + std::to_string(stream) +
+      throw std::out_of_range("ferry::gpu::copy_engine::copy_on: stream " + std::to_string(stream) +
                               " of " + std::to_string(options_.streams));
     }
     if (shutting_down_.load(std::memory_order_relaxed)) {
@@ -411,4 +411,4 @@ class basic_copy_engine {
   std::atomic<std::uint64_t> queries_{0};
 };
 
-}  // namespace ferry::hip
+}  // namespace ferry::gpu

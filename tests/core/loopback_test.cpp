@@ -7,7 +7,7 @@
 #include <thread>
 #include <vector>
 
-#include <ferry/fault_injector.hpp>
+#include <ferry/testing.hpp>
 #include <ferry/loopback.hpp>
 
 #include "helpers.hpp"
@@ -205,7 +205,7 @@ TEST_CASE("fault injector: failures, hangs, delays and reordering from a seed",
     std::vector<std::byte> dst(64);
     ferry::transfer t = lb.copy(dst, src);
     REQUIRE(t.wait_for(hang_bound) == transfer_state::failed);
-    CHECK(t.error() == ferry::errc::injected_fault);
+    CHECK(t.error() == ferry::testing::errc::injected_fault);
     CHECK(dst == src);
     CHECK(lb.faults().counters().failed == 1);
   }

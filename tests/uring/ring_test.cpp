@@ -13,14 +13,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <ferry/fault_injector.hpp>
+#include <ferry/testing.hpp>
 #include <ferry/task.hpp>
 #include <ferry/uring/aligned_buffer.hpp>
 #include <ferry/uring/ring.hpp>
 #include <ferry/wait_all.hpp>
 
 #include "helpers.hpp"
-#include "uring_helpers.hpp"
+#include "uring/uring_helpers.hpp"
 
 using namespace ferry_test;
 using ferry::transfer_state;
@@ -329,7 +329,7 @@ TEST_CASE("uring: registered buffers and registered files", "[uring][concurrency
     std::vector<ferry::transfer> read(5);
     r.read_batch(files[0], reads, read, buffers[1]);
     CHECK(read[4].state() == transfer_state::failed);
-    CHECK(read[4].error() == ferry::errc::outside_registered_buffer);
+    CHECK(read[4].error() == ferry::uring::errc::outside_registered_buffer);
     REQUIRE(ferry::wait_all(std::span(read).first(4), hang_bound).verdict == verdict::success);
     for (std::size_t i = 0; i < 4; ++i) {
       CHECK(std::equal(blocks_data.begin() + (3 - i) * 4096, blocks_data.begin() + (4 - i) * 4096,
@@ -348,15 +348,15 @@ TEST_CASE("uring: registered buffers and registered files", "[uring][concurrency
   // A span outside the buffer it names is refused before the kernel sees it.
   ferry::transfer outside = r.read(fd.get(), buffers[1].memory.subspan(1), 0, buffers[0]);
   CHECK(outside.state() == transfer_state::failed);
-  CHECK(outside.error() == ferry::errc::outside_registered_buffer);
+  CHECK(outside.error() == ferry::uring::errc::outside_registered_buffer);
   // So is an index no SQE can carry (it has 16 bits): cut short, it would name another buffer.
   const uring::fixed_buffer forged{0x10001, buffers[1].memory};
   ferry::transfer unnameable = r.read(fd.get(), buffers[1].memory.first(100), 0, forged);
   CHECK(unnameable.state() == transfer_state::failed);
-  CHECK(unnameable.error() == ferry::errc::bad_registered_index);
+  CHECK(unnameable.error() == ferry::uring::errc::bad_registered_index);
   ferry::transfer negative = r.write(fd.get(), buffers[1].memory.first(100), 0,
                                      uring::fixed_buffer{0x80000000u, buffers[1].memory});
-  CHECK(negative.error() == ferry::errc::bad_registered_index);
+  CHECK(negative.error() == ferry::uring::errc::bad_registered_index);
 }
 
 TEST_CASE("uring: bad input fails with an error naming it", "[uring][concurrency]") {
@@ -397,7 +397,7 @@ TEST_CASE("uring: bad input fails with an error naming it", "[uring][concurrency
     const iovec iov[] = {{buf.data(), SIZE_MAX / 2 + 1}, {buf.data(), SIZE_MAX / 2 + 1}};
     ferry::transfer t = r.readv(0, iov, 0);
     CHECK(t.state() == transfer_state::failed);
-    CHECK(t.error() == ferry::errc::vector_too_large);
+    CHECK(t.error() == ferry::uring::errc::vector_too_large);
   }
   SECTION("writing to a pipe whose reader has gone is EPIPE, not a SIGPIPE that ends the process") {
     int p[2];
@@ -424,12 +424,12 @@ TEST_CASE("uring: a read past the end of the file fails, never succeeds with par
   SECTION("entirely past the end") {
     ferry::transfer t = r.read(fd.get(), buf, 20000);
     REQUIRE(t.wait_for(hang_bound) == transfer_state::failed);
-    CHECK(t.error() == ferry::errc::end_of_file);
+    CHECK(t.error() == ferry::uring::errc::end_of_file);
   }
   SECTION("starting inside the file and running past its end") {
     ferry::transfer t = r.read(fd.get(), buf, 4096);
     REQUIRE(t.wait_for(hang_bound) == transfer_state::failed);
-    CHECK(t.error() == ferry::errc::end_of_file);
+    CHECK(t.error() == ferry::uring::errc::end_of_file);
     // The bytes that did exist arrived; the transfer still is not a success.
     CHECK(std::equal(buf.begin(), buf.begin() + (10000 - 4096), data.begin() + 4096));
   }

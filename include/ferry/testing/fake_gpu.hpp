@@ -1,5 +1,5 @@
 #pragma once
-// An in-process fake of the GPU runtime calls the copy backend makes (runtime.hpp's interface), for
+// An in-process fake of the GPU runtime calls the copy backend makes (hip_runtime.hpp's interface), for
 // testing the backend's event polling without a GPU.
 //
 // What it models: a current device per thread (a new thread starts on device 0), and streams and
@@ -21,9 +21,9 @@
 #include <thread>
 #include <vector>
 
-#include "ferry/hip/copy_kind.hpp"
+#include "ferry/gpu/copy_kind.hpp"
 
-namespace ferry::hip::fake {
+namespace ferry::gpu::fake {
 
 // Error codes, numbered as HIP numbers them.
 inline constexpr int success = 0;
@@ -314,4 +314,4 @@ struct runtime {
   }
 };
 
-}  // namespace ferry::hip::fake
+}  // namespace ferry::gpu::fake

@@ -20,7 +20,7 @@
 #include <ferry/verbs/fake.hpp>
 
 #include "helpers.hpp"
-#include "verbs_helpers.hpp"
+#include "verbs/verbs_helpers.hpp"
 
 namespace {
 

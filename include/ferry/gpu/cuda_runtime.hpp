@@ -1,15 +1,15 @@
 #pragma once
 // The thin mapping of the GPU runtime calls ferry makes onto the CUDA runtime, for NVIDIA builds:
-// the same functions as hip_runtime (runtime.hpp), so the copy backend is the same code. Built only
+// the same functions as hip_runtime (hip_runtime.hpp), so the copy backend is the same code. Built only
 // where the CUDA toolkit is found (Meson's `hip` feature, or bench/gpu_check.sh); link with -lcudart.
 
 #include <cstddef>
 
 #include <cuda_runtime_api.h>
 
-#include "ferry/hip/copy_kind.hpp"
+#include "ferry/gpu/copy_kind.hpp"
 
-namespace ferry::hip {
+namespace ferry::gpu {
 
 struct cuda_runtime {
   using stream_handle = cudaStream_t;
@@ -69,4 +69,4 @@ struct cuda_runtime {
   }
 };
 
-}  // namespace ferry::hip
+}  // namespace ferry::gpu

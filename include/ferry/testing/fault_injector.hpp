@@ -25,6 +25,7 @@
 #include "ferry/detail/status_block.hpp"
 #include "ferry/detail/timer_service.hpp"
 #include "ferry/errors.hpp"
+#include "ferry/testing/errors.hpp"
 #include "ferry/progress_executor.hpp"
 #include "ferry/transfer.hpp"
 
@@ -38,7 +39,7 @@ struct fault_profile {
   std::size_t reorder_window = 0;
   // A partial reorder window is released once it has waited this long.
   std::chrono::nanoseconds reorder_hold = std::chrono::milliseconds(1);
-  std::error_code error = make_error_code(errc::injected_fault);
+  std::error_code error = make_error_code(testing::errc::injected_fault);
   std::uint64_t seed = 1;
 };
 

@@ -1,4 +1,4 @@
-// The GPU copy backend's event polling against the in-process fake runtime (ferry/hip/fake.hpp):
+// The GPU copy backend's event polling against the in-process fake runtime (ferry/testing/fake_gpu.hpp):
 // the same backend code that runs on HIP and CUDA, with no GPU.
 
 #include <catch2/catch.hpp>
@@ -13,11 +13,11 @@
 #include <vector>
 
 #include <ferry/ferry.hpp>
-#include <ferry/hip/copy_engine.hpp>
-#include <ferry/hip/fake.hpp>
+#include <ferry/gpu/copy_engine.hpp>
+#include <ferry/testing/fake_gpu.hpp>
 
 #include "helpers.hpp"
-#include "hip_helpers.hpp"
+#include "gpu/gpu_helpers.hpp"
 
 namespace {
 
@@ -32,7 +32,7 @@ std::vector<std::byte> pattern(std::size_t n, int seed) {
 
 }  // namespace
 
-TEST_CASE("hip: a copy completes when its event does, with its bytes moved", "[hip]") {
+TEST_CASE("gpu: a copy completes when its event does, with its bytes moved", "[gpu]") {
   copy_time slow(100ms);  // long enough that the copy is still out when looked at below
   ferry::progress_executor exec;
   engine e(exec);
@@ -48,7 +48,7 @@ TEST_CASE("hip: a copy completes when its event does, with its bytes moved", "[h
   CHECK(e.counters().event_queries > 1);  // it kept asking while the copy ran
 }
 
-TEST_CASE("hip: copies on one stream complete in order, and only the oldest is asked", "[hip]") {
+TEST_CASE("gpu: copies on one stream complete in order, and only the oldest is asked", "[gpu]") {
   copy_time slow(2ms);
   ferry::progress_executor exec;
   fh::copy_engine_options o;
@@ -71,7 +71,7 @@ TEST_CASE("hip: copies on one stream complete in order, and only the oldest is a
   CHECK(c.completed == 20);
 }
 
-TEST_CASE("hip: an error on one stream fails only that stream's copies, naming the error", "[hip]") {
+TEST_CASE("gpu: an error on one stream fails only that stream's copies, naming the error", "[gpu]") {
   copy_time fast(200us);
   ferry::progress_executor exec;
   fh::copy_engine_options o;
@@ -99,7 +99,7 @@ TEST_CASE("hip: an error on one stream fails only that stream's copies, naming t
   CHECK(e.counters().failed == 3);
 }
 
-TEST_CASE("hip: a copy the runtime refuses, and bad input, fail at once", "[hip]") {
+TEST_CASE("gpu: a copy the runtime refuses, and bad input, fail at once", "[gpu]") {
   ferry::progress_executor exec;
   engine e(exec);
   std::vector<std::byte> a(64), b(64);
@@ -129,7 +129,7 @@ TEST_CASE("hip: a copy the runtime refuses, and bad input, fail at once", "[hip]
           transfer_state::success);
 }
 
-TEST_CASE("hip: a runtime that makes no event gives a failed transfer, not an exception", "[hip]") {
+TEST_CASE("gpu: a runtime that makes no event gives a failed transfer, not an exception", "[gpu]") {
   ferry::progress_executor exec;
   fh::copy_engine_options lazy;
   lazy.events = 0;  // every copy needs a new event
@@ -146,9 +146,9 @@ TEST_CASE("hip: a runtime that makes no event gives a failed transfer, not an ex
   CHECK(a == b);
 }
 
-TEST_CASE("hip: a query that fails while its copy still runs fails the transfer only once the copy "
+TEST_CASE("gpu: a query that fails while its copy still runs fails the transfer only once the copy "
           "is over",
-          "[hip]") {
+          "[gpu]") {
   // The error is the query's own: the copy goes on. Its transfer must not turn failed (and its
   // buffer be freed or reused) while the GPU still writes into it.
   ferry::progress_executor exec;
@@ -166,7 +166,7 @@ TEST_CASE("hip: a query that fails while its copy still runs fails the transfer 
           transfer_state::success);
 }
 
-TEST_CASE("hip: a when_all over a layer's copies resumes on the engine's scheduler", "[hip]") {
+TEST_CASE("gpu: a when_all over a layer's copies resumes on the engine's scheduler", "[gpu]") {
   copy_time t(1ms);
   ferry::progress_executor exec;
   engine e(exec);
@@ -195,8 +195,8 @@ TEST_CASE("hip: a when_all over a layer's copies resumes on the engine's schedul
   for (const auto& d : dst) CHECK(d == src);
 }
 
-TEST_CASE("hip: the executor keeps watching while copies are out, and parks once none are",
-          "[hip]") {
+TEST_CASE("gpu: the executor keeps watching while copies are out, and parks once none are",
+          "[gpu]") {
   copy_time t(5ms);
   ferry::executor_options eo;
   eo.mode = ferry::progress_mode::park;
@@ -217,7 +217,7 @@ TEST_CASE("hip: the executor keeps watching while copies are out, and parks once
   CHECK(a == b);
 }
 
-TEST_CASE("hip: destroying the engine waits for the copies still on the GPU", "[hip]") {
+TEST_CASE("gpu: destroying the engine waits for the copies still on the GPU", "[gpu]") {
   copy_time slow(20ms);
   ferry::progress_executor exec;
   const auto src = pattern(512, 5);
@@ -231,7 +231,7 @@ TEST_CASE("hip: destroying the engine waits for the copies still on the GPU", "[
   for (const auto& d : dst) CHECK(d == src);
 }
 
-TEST_CASE("hip: copies from four threads over four streams", "[hip][concurrency]") {
+TEST_CASE("gpu: copies from four threads over four streams", "[gpu][concurrency]") {
   copy_time fast(1us);
   ferry::progress_executor exec;
   engine e(exec);

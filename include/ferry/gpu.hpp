@@ -1,0 +1,26 @@
+#pragma once
+// The GPU copy backend on the runtime this build targets: the HIP runtime (AMD), or the CUDA
+// runtime where FERRY_GPU_CUDA is defined (NVIDIA; Meson defines it when it builds against the
+// CUDA toolkit). The same backend runs on the in-process fake of ferry/testing/fake_gpu.hpp for tests:
+// basic_copy_engine<fake::runtime>.
+
+#include "ferry/gpu/copy_engine.hpp"
+#include "ferry/gpu/copy_kind.hpp"
+
+#if defined(FERRY_GPU_CUDA)
+#include "ferry/gpu/cuda_runtime.hpp"
+namespace ferry::gpu {
+using gpu_runtime = cuda_runtime;
+}  // namespace ferry::gpu
+#else
+#include "ferry/gpu/hip_runtime.hpp"
+namespace ferry::gpu {
+using gpu_runtime = hip_runtime;
+}  // namespace ferry::gpu
+#endif
+
+namespace ferry::gpu {
+
+using copy_engine = basic_copy_engine<gpu_runtime>;
+
+}  // namespace ferry::gpu
