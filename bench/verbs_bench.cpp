@@ -26,7 +26,7 @@
 
 #include <ferry/ferry.hpp>
 #include <ferry/verbs/device.hpp>
-#include <ferry/verbs/fake.hpp>
+#include <ferry/testing/verbs.hpp>
 #include <ferry/verbs/provider.hpp>
 
 #include "bench.hpp"

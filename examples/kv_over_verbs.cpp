@@ -3,9 +3,10 @@
 // the decode side, a coroutine on its own run_loop, awaits each layer's notification (RC delivers it
 // only after the WRITEs before it have landed) and checks the layer's bytes.
 //
-// It runs on the in-process fake adapter (<ferry/verbs/fake.hpp>), so it needs no RDMA hardware; on
-// a real adapter the same code uses ferry::verbs::device and friends, and the two sides connect over
-// the TCP side channel (ferry::verbs::connect / side_channel_listener) instead of directly.
+// It runs on the in-process fake adapter (<ferry/testing/verbs.hpp>), so it needs no RDMA
+// hardware; on a real adapter the same code uses ferry::verbs::device and friends, and the two sides
+// connect over the TCP side channel (ferry::verbs::connect / side_channel_listener) instead of
+// directly.
 
 #include <cstddef>
 #include <cstdint>
@@ -16,7 +17,7 @@
 
 #include <ferry/ferry.hpp>
 #include <ferry/verbs/device.hpp>
-#include <ferry/verbs/fake.hpp>
+#include <ferry/testing/verbs.hpp>
 
 using namespace std::chrono_literals;
 namespace fv = ferry::verbs;

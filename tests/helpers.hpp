@@ -1,11 +1,14 @@
 #pragma once
-// Shared by the tests: an engine thread driving a run_loop, a stopwatch, and thread identities.
+// Shared by the tests: an engine thread driving a run_loop, a stopwatch, thread identities, and the
+// data and errors the tests move and inject.
 
 #include <atomic>
 #include <chrono>
 #include <coroutine>
+#include <cstddef>
 #include <exception>
 #include <functional>
+#include <system_error>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -19,6 +22,16 @@ using clock_type = std::chrono::steady_clock;
 
 // Generous bounds: "did not hang" and "did not wait for the deadline", never performance.
 inline constexpr auto hang_bound = std::chrono::seconds(10);
+
+// The error most tests fail a transfer with.
+inline const std::error_code io_error = std::make_error_code(std::errc::io_error);
+
+// `n` bytes that differ from those of another seed, to copy and compare.
+inline std::vector<std::byte> pattern(std::size_t n, unsigned seed) {
+  std::vector<std::byte> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<std::byte>((i * 131 + seed) & 0xff);
+  return v;
+}
 
 inline double ms_since(clock_type::time_point start) {
   return std::chrono::duration<double, std::milli>(clock_type::now() - start).count();

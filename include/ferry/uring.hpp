@@ -4,5 +4,7 @@
 
 #include "ferry/uring/aligned_buffer.hpp"
 #include "ferry/uring/errors.hpp"
+#include "ferry/uring/frame.hpp"
+#include "ferry/uring/options.hpp"
 #include "ferry/uring/ring.hpp"
 #include "ferry/uring/tcp.hpp"

@@ -1,12 +1,16 @@
 #pragma once
 // The RDMA verbs backend on real adapters, through libibverbs (link with -libverbs; Meson's ferry
 // build does this where libibverbs is found). The same classes run on the in-process fake of
-// ferry/verbs/fake.hpp for tests: basic_device<fake::provider> and so on.
+// <ferry/testing/verbs.hpp> for tests: basic_device<fake::provider> and so on.
 
 #include "ferry/verbs/device.hpp"
 #include "ferry/verbs/errors.hpp"
 #include "ferry/verbs/handshake.hpp"
+#include "ferry/verbs/memory_region.hpp"
+#include "ferry/verbs/options.hpp"
 #include "ferry/verbs/provider.hpp"
+#include "ferry/verbs/queue_pair.hpp"
+#include "ferry/verbs/remote.hpp"
 
 namespace ferry::verbs {
 

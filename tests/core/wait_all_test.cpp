@@ -1,4 +1,4 @@
-// poll_all, wait_all and drain: the verdict rules, the shared deadline, failure short-circuit.
+// wait_all and drain: the verdict rules, the shared deadline, failure short-circuit.
 
 #include <catch2/catch.hpp>
 
@@ -15,69 +15,6 @@
 using namespace ferry_test;
 using ferry::transfer_state;
 using ferry::verdict;
-
-namespace {
-
-const std::error_code io_error = std::make_error_code(std::errc::io_error);
-
-}  // namespace
-
-TEST_CASE("poll_all: empty, mixed and failed spans", "[wait_all]") {
-  SECTION("empty is success") {
-    const auto r = ferry::poll_all({});
-    CHECK(r.verdict == verdict::success);
-    CHECK(r.pending == 0);
-    CHECK_FALSE(r.first_failed);
-  }
-  SECTION("all succeeded") {
-    batch b(3);
-    for (auto& c : b.completers) c.succeed();
-    CHECK(ferry::poll_all(b.transfers).verdict == verdict::success);
-  }
-  SECTION("some pending, none failed") {
-    batch b(3);
-    b.completers[1].succeed();
-    const auto r = ferry::poll_all(b.transfers);
-    CHECK(r.verdict == verdict::pending);
-    CHECK(r.pending == 2);
-  }
-  SECTION("failure wins over pending, whatever the order") {
-    batch failed_first(2);
-    failed_first.completers[0].fail(io_error);
-    const auto a = ferry::poll_all(failed_first.transfers);
-    CHECK(a.verdict == verdict::failed);
-    CHECK(a.first_failed == 0u);
-    CHECK(a.error == std::errc::io_error);
-    CHECK(a.pending == 1);
-
-    batch failed_last(2);
-    failed_last.completers[1].fail(io_error);
-    const auto b = ferry::poll_all(failed_last.transfers);
-    CHECK(b.verdict == verdict::failed);
-    CHECK(b.first_failed == 1u);
-  }
-  SECTION("a cancelled member fails the batch") {
-    batch b(2);
-    b.completers[0].succeed();
-    b.completers[1].cancel();
-    const auto r = ferry::poll_all(b.transfers);
-    CHECK(r.verdict == verdict::failed);
-    CHECK(r.first_failed == 1u);
-    CHECK(r.error == ferry::errc::cancelled);
-  }
-  SECTION("an empty handle in the batch fails it with a clear error") {
-    std::vector<ferry::transfer> v(2);
-    const auto r = ferry::poll_all(v);
-    CHECK(r.verdict == verdict::failed);
-    CHECK(r.error == ferry::errc::empty_transfer);
-  }
-  SECTION("poll_all changes no status") {
-    batch b(2);
-    (void)ferry::poll_all(b.transfers);
-    CHECK(b.transfers[0].state() == transfer_state::pending);
-    CHECK(b.completers[0].succeed());
-  }
-}
 
 TEST_CASE("the first failure in time is reported, not the lowest index", "[wait_all]") {
   batch b(8);

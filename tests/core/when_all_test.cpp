@@ -19,8 +19,6 @@ using ferry::verdict;
 
 namespace {
 
-const std::error_code io_error = std::make_error_code(std::errc::io_error);
-
 struct observed {
   std::atomic<int> resumes{0};
   std::atomic<std::thread::id> thread{};

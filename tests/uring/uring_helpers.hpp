@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <filesystem>
+#include <span>
 #include <string>
 #include <system_error>
 #include <vector>
@@ -107,5 +108,14 @@ inline std::vector<std::byte> byte_pattern(std::size_t n, unsigned seed) {
   }
   return v;
 }
+
+// Opens (by default creates) a file for a test, or throws.
+inline int open_file(const std::string& path, int flags = O_RDWR | O_CREAT) {
+  const int fd = ::open(path.c_str(), flags | O_CLOEXEC, 0600);
+  if (fd < 0) throw std::system_error(errno, std::system_category(), "open " + path);
+  return fd;
+}
+
+inline std::span<const std::byte> cview(const std::vector<std::byte>& v) { return v; }
 
 }  // namespace ferry_test

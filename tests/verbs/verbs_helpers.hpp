@@ -1,6 +1,6 @@
 #pragma once
-// Shared by the verbs tests: the backend over the in-process fake adapter, and a rig of two fake
-// adapters with a region and a connected queue pair on each.
+// Shared by the verbs tests: the backend over the in-process fake adapter (<ferry/testing/verbs.hpp>),
+// and a rig of two fake adapters with a region and a connected queue pair on each.
 
 #include <atomic>
 #include <cstddef>
@@ -8,11 +8,12 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <ferry/ferry.hpp>
 #include <ferry/verbs/device.hpp>
-#include <ferry/verbs/fake.hpp>
+#include <ferry/testing/verbs.hpp>
 
 #include "helpers.hpp"
 
@@ -114,6 +115,24 @@ inline std::vector<transfer> post_writes(rig& r, int n) {
     out.push_back(r.a_qp->write(r.a_mem->slice(at, 64), r.b_mem->remote().slice(at, 64)));
   }
   return out;
+}
+
+// True when every transfer of `ts` ends in `want` within the hang bound.
+inline bool all_end(std::span<const transfer> ts, transfer_state want) {
+  for (const transfer& t : ts) {
+    if (t.wait_for(hang_bound) != want) return false;
+  }
+  return true;
+}
+
+// Awaits `t` resuming inline and then holds the executor thread (inside the device's poll) until
+// `stage` becomes 2.
+inline ferry_test::detached_inline hold_executor(transfer t, std::atomic<int>& stage) {
+  ferry::inline_scheduler here;
+  (void)co_await ferry::resume_on(here, t);
+  stage = 1;
+  while (stage.load() != 2) std::this_thread::yield();
+  stage = 3;
 }
 
 }  // namespace ferry_test::verbs

@@ -3,8 +3,7 @@
 // and received as transfers. Where no RDMA fabric exists, this is how KV blocks move between a
 // prefill and a decode machine.
 //
-// A frame is a 24-byte header (magic "FRY1", reserved, block id, payload length; little-endian, the
-// byte order of every host ferry runs on) followed by the payload. Sends on one connection go out
+// A frame is a 24-byte header followed by the payload (frame.hpp). Sends on one connection go out
 // one at a time in the order they were called, and so do receives; a short send or receive is
 // continued. A peer that closes or resets the connection fails the transfer in flight with
 // errc::connection_closed or the system's ECONNRESET, and every later one on that side with the same
@@ -35,6 +34,15 @@
 #include <unistd.h>
 
 #include "ferry/detail/socket.hpp"
+#include "ferry/transfer.hpp"
+#include "ferry/uring/detail/connection_state.hpp"
+#include "ferry/uring/detail/detach.hpp"
+#include "ferry/uring/detail/engine.hpp"
+#include "ferry/uring/detail/op.hpp"
+#include "ferry/uring/detail/receive.hpp"
+#include "ferry/uring/detail/send.hpp"
+#include "ferry/uring/errors.hpp"
+#include "ferry/uring/frame.hpp"
 #include "ferry/uring/ring.hpp"
 
 namespace ferry::uring {
@@ -54,14 +62,14 @@ using ferry::detail::set_nodelay;
 class tcp_connection {
  public:
   // Adopts a connected stream socket (blocking mode).
-  tcp_connection(ring& r, int connected_fd) : ring_(&r) {
+  tcp_connection(ring& r, int connected_fd) : engine_(&r.engine()) {
     if (connected_fd < 0) {
       throw std::invalid_argument("ferry::uring::tcp_connection: descriptor " +
                                   std::to_string(connected_fd) + " is not a socket");
     }
     state_ = new detail::connection_state;
     state_->fd = connected_fd;
-    ring_->connections_.fetch_add(1, std::memory_order_relaxed);
+    engine_->connection_opened();
   }
 
   // Takes over a socket just connected or accepted: TCP_NODELAY, and closed if adopting it fails.
@@ -90,7 +98,7 @@ class tcp_connection {
   }
 
   tcp_connection(tcp_connection&& other) noexcept
-      : ring_(other.ring_), state_(std::exchange(other.state_, nullptr)) {}
+      : engine_(other.engine_), state_(std::exchange(other.state_, nullptr)) {}
   tcp_connection& operator=(tcp_connection&& other) noexcept {
     tcp_connection(std::move(other)).swap(*this);
     return *this;
@@ -104,28 +112,28 @@ class tcp_connection {
 
   void close() noexcept {
     if (state_ == nullptr) return;
-    // Release pairs with the acquire in ring::next_send/next_receive: once the shutdown fails the
+    // Release pairs with the acquire in detail::next_send/next_receive: once the shutdown fails the
     // operation in flight, nothing queued behind it starts.
     state_->closing.store(true, std::memory_order_release);
     ::shutdown(state_->fd, SHUT_RDWR);
     detail::op* d = nullptr;
     try {
-      d = detail::op::make(detail::op_kind::detach);
+      d = detail::op::make(detail::detach_handlers);
     } catch (...) {
       // Out of memory: the ring unlists the connection when it is destroyed instead.
     }
     if (d != nullptr) {
       d->connection = state_;  // takes over the handle's reference
-      ring_->post(d);
+      engine_->post(d);
     } else {
       state_->release();
     }
     state_ = nullptr;
-    ring_->connections_.fetch_sub(1, std::memory_order_release);
+    engine_->connection_closed();
   }
 
   void swap(tcp_connection& other) noexcept {
-    std::swap(ring_, other.ring_);
+    std::swap(engine_, other.engine_);
     std::swap(state_, other.state_);
   }
 
@@ -134,10 +142,9 @@ class tcp_connection {
     if (state_ == nullptr) {
       return make_completed_transfer(transfer_state::failed, errc::connection_closed);
     }
-    detail::op* o = detail::op::make(detail::op_kind::send);
+    detail::op* o = detail::op::make(detail::send_handlers);
     o->fd = state_->fd;
-    o->header.id = block_id;
-    o->header.length = payload.size();
+    o->header = detail::encode_frame(block_id, payload.size());
     o->parts[0] = iovec{&o->header, sizeof o->header};
     o->parts[1] = iovec{const_cast<std::byte*>(payload.data()), payload.size()};
     o->length = sizeof o->header + payload.size();
@@ -151,7 +158,7 @@ class tcp_connection {
     if (state_ == nullptr) {
       return make_completed_transfer(transfer_state::failed, errc::connection_closed);
     }
-    detail::op* o = detail::op::make(detail::op_kind::receive);
+    detail::op* o = detail::op::make(detail::receive_handlers);
     o->fd = state_->fd;
     o->parts[1] = iovec{dst.data(), dst.size()};
     o->received = &out;
@@ -164,14 +171,14 @@ class tcp_connection {
 
  private:
   transfer post(detail::op* o) {
-    transfer t = ring::attach(o);
+    transfer t = detail::engine::attach(o);
     state_->refs.fetch_add(1, std::memory_order_relaxed);
     o->connection = state_;
-    ring_->post(o);
+    engine_->post(o);
     return t;
   }
 
-  ring* ring_;
+  detail::engine* engine_;
   detail::connection_state* state_ = nullptr;
 };
 

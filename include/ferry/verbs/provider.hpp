@@ -2,8 +2,8 @@
 // The verbs calls the backend makes, gathered in one place. The backend is a template over a
 // provider: `real_provider` below forwards every call to libibverbs (the data-path ones are inline
 // functions of <infiniband/verbs.h> that jump straight into the adapter's driver), and
-// `fake::provider` (fake.hpp) implements the same calls in process for tests. The choice is made at
-// compile time, so the real build pays nothing for the fake.
+// `fake::provider` (ferry/testing/verbs/provider.hpp) implements the same calls in process for
+// tests. The choice is made at compile time, so the real build pays nothing for the fake.
 //
 // Every call returns 0 or an errno value (creation calls return a null handle and set errno), as
 // libibverbs does; the structures are libibverbs' own (ibv_wc, ibv_send_wr, ibv_qp_attr, ...), so the
@@ -44,6 +44,10 @@ struct real_provider {
   using cq_handle = ibv_cq*;
   using qp_handle = ibv_qp*;
   using async_event = basic_async_event<qp_handle, cq_handle>;
+
+  // What basic_device says when device_names() is empty: how to get a device.
+  static constexpr const char* no_device_help =
+      "ibv_get_device_list returned none; is an adapter present and its driver loaded?";
 
   // The names of the RDMA devices present (empty when there are none).
   [[nodiscard]] static std::vector<std::string> device_names() {

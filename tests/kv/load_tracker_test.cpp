@@ -1,4 +1,5 @@
-// The inference-server layer: one test per property of design.md's list, then the cases around them.
+// The load tracker: one test per property of design.md's list (the release ledger's, 8, is in
+// release_ledger_test.cpp), then the cases around them.
 
 #include <catch2/catch.hpp>
 
@@ -43,7 +44,6 @@ std::vector<kv::block_id> blocks(std::initializer_list<kv::block_id> b) { return
 const auto failure = make_error_code(std::errc::connection_reset);
 
 }  // namespace
-
 // 1.
 TEST_CASE("kv property 1: a request is done only when every per-layer transfer succeeded, in any "
           "order",
@@ -261,25 +261,6 @@ TEST_CASE("kv property 7: no release while any transfer is in flight; exactly on
   CHECK_THROWS_WITH(tracker.verdict(8), Catch::Contains("request 8 is not tracked"));
 }
 
-// 8.
-TEST_CASE("kv property 8: the producer frees after the expected acknowledgements, and never twice",
-          "[kv]") {
-  std::vector<kv::transfer_id> freed;
-  kv::release_ledger ledger([&](kv::transfer_id id) { freed.push_back(id); });
-  CHECK_FALSE(ledger.expect(1, 3));
-  CHECK(ledger.acknowledge(1, 0) == kv::ack_result::counted);
-  CHECK(ledger.acknowledge(1, 0) == kv::ack_result::duplicate);
-  CHECK(ledger.acknowledge(1, 1) == kv::ack_result::counted);
-  CHECK(freed.empty());
-  CHECK(ledger.acknowledge(1, 2) == kv::ack_result::freed);
-  CHECK(freed == std::vector<kv::transfer_id>{1});
-  // Late and repeated acknowledgements never free again.
-  CHECK(ledger.acknowledge(1, 2) == kv::ack_result::stale);
-  CHECK(ledger.acknowledge(1, 3) == kv::ack_result::stale);
-  CHECK(freed.size() == 1);
-  CHECK_THROWS_WITH(ledger.expect(1, 1), Catch::Contains("already expected"));
-}
-
 // 9.
 TEST_CASE("kv property 9: a timeout needs an age strictly greater than the limit; all-done and "
           "failure win",
@@ -470,51 +451,6 @@ TEST_CASE("kv: a hybrid request that times out raises, naming the first pending 
     CHECK(e.timed_out());
     CHECK(e.member() == 1);
     CHECK(e.layer() == 9);
-  }
-}
-
-TEST_CASE("kv: duplicate, early and late acknowledgements, bounded", "[kv]") {
-  std::vector<kv::transfer_id> freed;
-  kv::release_ledger ledger([&](kv::transfer_id id) { freed.push_back(id); },
-                            kv::ledger_options{.early_capacity = 2, .finished_capacity = 2});
-  SECTION("early acknowledgements count once when the transfer becomes known") {
-    CHECK(ledger.acknowledge(9, 0) == kv::ack_result::early);
-    CHECK(ledger.acknowledge(9, 0) == kv::ack_result::duplicate);
-    CHECK(ledger.acknowledge(9, 1) == kv::ack_result::early);
-    CHECK(ledger.early() == 1);
-    CHECK_FALSE(ledger.expect(9, 3));
-    CHECK(freed.empty());
-    CHECK(ledger.acknowledge(9, 1) == kv::ack_result::duplicate);
-    CHECK(ledger.acknowledge(9, 2) == kv::ack_result::freed);
-    CHECK(freed == std::vector<kv::transfer_id>{9});
-  }
-  SECTION("every acknowledgement early: expect frees at once") {
-    CHECK(ledger.acknowledge(4, 0) == kv::ack_result::early);
-    CHECK(ledger.expect(4, 1));
-    CHECK(freed == std::vector<kv::transfer_id>{4});
-    CHECK(ledger.acknowledge(4, 0) == kv::ack_result::stale);
-  }
-  SECTION("the early buffer is bounded: the oldest is dropped and said so") {
-    CHECK(ledger.acknowledge(1, 0) == kv::ack_result::early);
-    CHECK(ledger.acknowledge(2, 0) == kv::ack_result::early);
-    CHECK(ledger.acknowledge(3, 0) == kv::ack_result::early_dropped);
-    CHECK(ledger.early() == 2);
-    CHECK_FALSE(ledger.expect(1, 1));  // its early acknowledgement was dropped
-    CHECK(ledger.expect(2, 1));
-  }
-  SECTION("finished ids are remembered, boundedly") {
-    for (kv::transfer_id id = 1; id <= 3; ++id) {
-      CHECK_FALSE(ledger.expect(id, 1));
-      CHECK(ledger.acknowledge(id, 0) == kv::ack_result::freed);
-    }
-    CHECK(ledger.acknowledge(3, 0) == kv::ack_result::stale);
-    CHECK(ledger.acknowledge(2, 0) == kv::ack_result::stale);
-    CHECK(ledger.acknowledge(1, 0) == kv::ack_result::early);  // forgotten: looks early now
-    CHECK(freed.size() == 3);
-  }
-  SECTION("bad input") {
-    CHECK_THROWS_WITH(ledger.expect(1, 0), Catch::Contains("at least one consumer"));
-    CHECK_THROWS_WITH(kv::release_ledger({}), Catch::Contains("free callback is empty"));
   }
 }
 
@@ -720,21 +656,6 @@ TEST_CASE("kv: a submit function that calls back into the tracker is refused, an
   });
   tracker.seal(h);
   CHECK(tracker.verdict(1) == request_verdict::success);
-}
-
-TEST_CASE("post_with_backoff: zero or negative pauses neither overflow nor spin without sleeping",
-          "[kv]") {
-  int tries = 0;
-  const auto start = clock_type::now();
-  const ferry::transfer t = ferry::post_with_backoff(
-      [&]() -> std::optional<ferry::transfer> {
-        ++tries;
-        return std::nullopt;
-      },
-      std::chrono::steady_clock::now() + 20ms, ferry::backoff_options{-5ms, -1ms});
-  CHECK(t.error() == ferry::errc::submission_queue_full);
-  CHECK(ms_since(start) < 10'000);
-  CHECK(tries < 100'000);  // it paused between tries, not spun
 }
 
 TEST_CASE("kv: post on a sealed or aborted request submits nothing", "[kv]") {

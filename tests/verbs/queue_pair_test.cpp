@@ -1,5 +1,6 @@
-// The verbs backend against the in-process fake adapter (ferry/verbs/fake.hpp): the same backend
-// code the real build runs, with every verbs call answered by the fake.
+// basic_queue_pair (queue_pair.hpp) over the in-process fake adapter: READ, WRITE and batches,
+// admission, notifications, peer checks, refusals, posting and closing. Cases tagged [regression]
+// each failed before the fix their comment names.
 
 #include <catch2/catch.hpp>
 
@@ -11,18 +12,15 @@
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <ferry/ferry.hpp>
+#include <ferry/testing/verbs.hpp>
 #include <ferry/verbs/device.hpp>
-#include <ferry/verbs/fake.hpp>
-#include <ferry/verbs/handshake.hpp>
+#include <ferry/verbs/queue_pair.hpp>
 
 #include "helpers.hpp"
 #include "verbs/verbs_helpers.hpp"
@@ -32,11 +30,47 @@ namespace {
 using namespace std::chrono_literals;
 using namespace ferry_test::verbs;
 
-bool all_end(std::span<const transfer> ts, transfer_state want) {
-  for (const transfer& t : ts) {
-    if (t.wait_for(hang_bound) != want) return false;
+// Queue pairs deep enough for a `members`-long batch, and one 8-byte WRITE block per member.
+struct batch_rig {
+  batch_rig(std::size_t members, int cq_entries) : r(options(members, cq_entries)) {
+    blocks.reserve(members);
+    for (std::size_t i = 0; i < members; ++i) {
+      blocks.push_back({r.a_mem->slice(i * 8, 8), r.b_mem->remote().slice(i * 8, 8)});
+    }
   }
-  return true;
+  static rig_options options(std::size_t members, int cq_entries) {
+    fv::queue_pair_options o;
+    o.send_depth = static_cast<std::uint32_t>(members);
+    o.receive_depth = 1;
+    rig_options ro = rig::with(o, members * 8);
+    ro.cq_entries = cq_entries;
+    return ro;
+  }
+  rig r;
+  std::vector<block> blocks;
+};
+
+// Awaits `first` resuming inline (on the executor thread, from inside the device's poll), then
+// submits a second WRITE from there.
+ferry_test::detached_inline write_again_inline(ferry::progress_executor& exec, queue_pair& qp,
+                                               region& src, region& dst, transfer first,
+                                               transfer& second, std::atomic<bool>& on_executor,
+                                               double& waited_ms, std::atomic<bool>& done) {
+  ferry::inline_scheduler here;
+  (void)co_await ferry::resume_on(here, first);
+  on_executor = exec.on_executor_thread();
+  const auto start = ferry_test::clock_type::now();
+  second = qp.write(src.slice(64, 64), dst.remote().slice(64, 64));
+  waited_ms = ferry_test::ms_since(start);
+  done = true;
+}
+
+// Continues on the completing thread (the executor) and notes, at that moment, whether the region
+// is still held.
+ferry_test::inline_task note_in_use_at_end(transfer t, const region& held,
+                                           std::atomic<int>& in_use_then) {
+  (void)co_await t;
+  in_use_then.store(held.in_use() ? 1 : 0, std::memory_order_release);
 }
 
 }  // namespace
@@ -193,59 +227,6 @@ TEST_CASE("verbs: a full send queue backs off until room frees, or fails at the 
   }
 }
 
-TEST_CASE("verbs: a fatal queue pair event fails 1000 transfers in flight, none hangs",
-          "[verbs]") {
-  fv::queue_pair_options o;
-  o.send_depth = 1024;
-  o.flush_timeout = 100ms;  // paused, the adapter flushes nothing: the wait for it gives up
-  rig r(o);
-  std::vector<transfer> in_flight;
-  {
-    paused_fabric pause;
-    in_flight = post_writes(r, 1000);
-    REQUIRE(ferry_test::wait_until([&] { return r.a->counters().work_requests_posted >= 1000; }));
-    const auto start = ferry_test::clock_type::now();
-    fabric::instance().inject_qp_fatal(r.a_qp->native_handle());
-    // Failed while the adapter is still paused: no completion is needed.
-    REQUIRE(all_end(in_flight, transfer_state::failed));
-    CHECK(ferry_test::ms_since(start) < 5000);
-    for (const transfer& t : in_flight) CHECK(t.error() == fv::errc::queue_pair_fatal);
-    CHECK(r.a_mem->in_use());  // still pinned: the adapter has not flushed them yet
-  }
-  // The flushes come; the memory is released.
-  REQUIRE(ferry_test::wait_until([&] { return !r.a_mem->in_use(); }));
-  CHECK(r.a_qp->write(r.a_mem->slice(0, 8), r.b_mem->remote().slice(0, 8)).error() ==
-        fv::errc::queue_pair_fatal);
-}
-
-TEST_CASE("verbs: device fatal, port down and CQ error fail everything they strand", "[verbs]") {
-  struct kind {
-    const char* name;
-    fv::errc expected;
-  };
-  for (const kind k : {kind{"device fatal", fv::errc::device_fatal},
-                       kind{"port down", fv::errc::port_down},
-                       kind{"cq error", fv::errc::completion_queue_error}}) {
-    INFO(k.name);
-    rig r;
-    std::vector<transfer> in_flight;
-    paused_fabric pause;
-    in_flight = post_writes(r, 100);
-    std::uint64_t value = 0;
-    transfer waiting = r.a_qp->receive_notification(value);
-    REQUIRE(ferry_test::wait_until([&] { return r.a->counters().work_requests_posted >= 100; }));
-    if (k.expected == fv::errc::device_fatal) fabric::instance().inject_device_fatal(r.a->native_context());
-    if (k.expected == fv::errc::port_down) fabric::instance().inject_port_down(r.a->native_context());
-    if (k.expected == fv::errc::completion_queue_error) fabric::instance().inject_cq_error(r.a->native_cq());
-    REQUIRE(all_end(in_flight, transfer_state::failed));
-    for (const transfer& t : in_flight) CHECK(t.error() == k.expected);
-    REQUIRE(waiting.wait_for(hang_bound) == transfer_state::failed);
-    CHECK(waiting.error() == k.expected);
-    CHECK(r.a_qp->write(r.a_mem->slice(0, 8), r.b_mem->remote().slice(0, 8)).error() == k.expected);
-    pause.resume();
-  }
-}
-
 TEST_CASE("verbs: a queue pair never has more RDMA READs out than its peer accepts", "[verbs]") {
   // The requester pipelines up to its max_rd_atomic READs; a responder set up for fewer answers the
   // excess with an invalid-request NAK (the fake does as adapters do), which breaks both queue
@@ -269,54 +250,6 @@ TEST_CASE("verbs: a queue pair never has more RDMA READs out than its peer accep
   r.a_qp->read_batch(std::span<const block>(reads), std::span<transfer>(out));
   REQUIRE(ferry::wait_all(out, hang_bound).verdict == ferry::verdict::success);
   CHECK(has_pattern(r.a_mem->bytes().first(16 * 64), 3));
-}
-
-TEST_CASE("verbs: a deadline takes back a request the adapter holds: its memory is free when it fails",
-          "[verbs]") {
-  rig r;
-  region dst = region::allocate(*r.a, 4096);
-  fill_pattern(dst.bytes(), 1);
-  fill_pattern(r.b_mem->bytes().first(4096), 2);
-  // Requests towards b wait, as behind a pulled cable; moving a queue pair to error still flushes.
-  fabric::instance().inject_port_down(r.b->native_context());
-  const auto start = ferry_test::clock_type::now();
-  transfer t = r.a_qp->read(dst.slice(0, 4096), r.b_mem->remote().slice(0, 4096), 50ms);
-  transfer behind = r.a_qp->write(r.a_mem->slice(0, 64), r.b_mem->remote().slice(8192, 64));
-  REQUIRE(t.wait_for(hang_bound) == transfer_state::failed);
-  // The adapter has flushed it: nothing holds the region, and nothing will write into it.
-  CHECK_FALSE(dst.in_use());
-  CHECK(t.error() == fv::errc::deadline_exceeded);
-  CHECK(ferry_test::ms_since(start) >= 45);
-  CHECK(ferry_test::ms_since(start) < 5000);
-  // Taking it back took the queue pair: what was behind it is flushed too, and nothing more goes.
-  REQUIRE(behind.wait_for(hang_bound) == transfer_state::failed);
-  CHECK(behind.error() == fv::errc::queue_pair_timed_out);
-  CHECK(r.a_qp->write(r.a_mem->slice(0, 8), r.b_mem->remote().slice(0, 8)).error() ==
-        fv::errc::queue_pair_timed_out);
-  CHECK(r.a->counters().flushes_overdue == 0);
-  fabric::instance().inject_port_up(r.b->native_context());
-  std::this_thread::sleep_for(20ms);
-  CHECK(has_pattern(dst.bytes(), 1));
-}
-
-TEST_CASE("verbs: an adapter that never flushes cannot hang a deadline; the memory stays pinned",
-          "[verbs]") {
-  fv::queue_pair_options o;
-  o.flush_timeout = 100ms;
-  rig r(o);
-  paused_fabric pause;  // executes, flushes and completes nothing
-  const auto start = ferry_test::clock_type::now();
-  transfer t = r.a_qp->write(r.a_mem->slice(0, 4096), r.b_mem->remote().slice(0, 4096), 50ms);
-  REQUIRE(t.wait_for(hang_bound) == transfer_state::failed);
-  CHECK(ferry_test::ms_since(start) >= 145);  // the deadline, then the wait for the flush
-  CHECK(ferry_test::ms_since(start) < 5000);
-  CHECK(t.error() == fv::errc::deadline_exceeded);
-  CHECK(r.a->counters().flushes_overdue == 1);
-  // The adapter still holds the request: the region stays registered until it hands it back.
-  CHECK(r.a_mem->in_use());
-  pause.resume();
-  REQUIRE(ferry_test::wait_until([&] { return !r.a_mem->in_use(); }));
-  CHECK(t.error() == fv::errc::deadline_exceeded);
 }
 
 TEST_CASE("verbs: a notification arrives only after the WRITEs posted before it have landed",
@@ -560,18 +493,6 @@ TEST_CASE("verbs: bad input is refused with an error naming what was wrong", "[v
   CHECK_THROWS_AS(region::allocate(*r.a, SIZE_MAX - 100), std::length_error);
 }
 
-namespace {
-
-// Continues on the completing thread (the executor) and notes, at that moment, whether the region
-// is still held.
-ferry_test::inline_task note_in_use_at_end(transfer t, const region& held,
-                                           std::atomic<int>& in_use_then) {
-  (void)co_await t;
-  in_use_then.store(held.in_use() ? 1 : 0, std::memory_order_release);
-}
-
-}  // namespace
-
 TEST_CASE("verbs: closing a queue pair ends what it holds once the adapter has flushed it",
           "[verbs]") {
   rig r;
@@ -611,172 +532,361 @@ TEST_CASE("verbs: closing a queue pair the adapter never flushes still ends what
   }
 }
 
-TEST_CASE("verbs: destroying the device ends every transfer it still holds", "[verbs]") {
-  std::vector<transfer> in_flight;
-  {
-    rig r;
-    paused_fabric pause;
-    in_flight = post_writes(r, 16);
-    r.a_qp.reset();
-    r.b_qp.reset();
-    r.a_mem.reset();  // the requests still hold the registration
-    r.b_mem.reset();
-  }
-  for (const transfer& t : in_flight) {
-    CHECK(t.state() == transfer_state::failed);
-  }
-}
-
-TEST_CASE("verbs: the executor sleeps on the completion channel and never misses a completion",
-          "[verbs][concurrency]") {
-  ferry::executor_options eo;
-  eo.mode = ferry::progress_mode::park;
-  rig_options ro;
-  ro.exec = eo;
-  rig r(ro);
-  // Every round trip lets the executor arm the CQ and sleep; a completion that lands between its
-  // last poll and the arming must still wake it (the re-poll after arming).
-  for (int i = 0; i < 5000; ++i) {
-    transfer t = r.a_qp->write(r.a_mem->slice(0, 64), r.b_mem->remote().slice(0, 64));
-    REQUIRE(t.wait_for(hang_bound) == transfer_state::success);
-  }
-  CHECK(r.exec_a->counters().parks > 0);
-}
-
-TEST_CASE("verbs: 10^5 transfers from four threads over two queue pairs", "[verbs][concurrency]") {
+// Was: on a success completion, on_completion() completes the unit's transfers (succeed_unit) before
+// release_unit() hands its send-queue slots back. A continuation resumed inline there that submits
+// again finds the slots still taken: write() backs off on the executor thread itself (so nothing can
+// free a slot) for the whole admission timeout and then fails with submission_queue_full. The same
+// order (complete, then release) is in route()'s refusal and drain_expired().
+TEST_CASE("verbs: a continuation resumed inline reuses at once the slot of the transfer it awaited",
+          "[verbs][regression]") {
   fv::queue_pair_options o;
-  o.send_depth = 128;
+  o.send_depth = 1;
+  o.admission_timeout = 300ms;
   rig r(o);
-  queue_pair second_a(*r.a, o);
-  queue_pair second_b(*r.b, o);
-  second_a.connect(second_b.local_info());
-  second_b.connect(second_a.local_info());
-  constexpr int threads = 4;
-  constexpr int per_thread = 25000;
-  constexpr int window = 32;
-  std::atomic<int> succeeded{0};
-  std::atomic<int> wrong{0};
-  std::vector<std::thread> workers;
-  for (int w = 0; w < threads; ++w) {
-    workers.emplace_back([&, w] {
-      queue_pair& qp = w % 2 == 0 ? *r.a_qp : second_a;
-      std::vector<transfer> ring(window);
-      for (int i = 0; i < per_thread; ++i) {
-        transfer& slot = ring[static_cast<std::size_t>(i % window)];
-        if (slot.valid()) {
-          if (slot.wait_for(hang_bound) == transfer_state::success) {
-            ++succeeded;
-          } else {
-            ++wrong;
-          }
-        }
-        const std::size_t at = static_cast<std::size_t>(w * 4096 + (i % window) * 64);
-        if (i % 3 == 0) {
-          slot = qp.read(r.a_mem->slice(at, 64), r.b_mem->remote().slice(at, 64));
-        } else {
-          slot = qp.write(r.a_mem->slice(at, 64), r.b_mem->remote().slice(at, 64));
-        }
-      }
-      for (transfer& t : ring) {
-        if (t.wait_for(hang_bound) == transfer_state::success) {
-          ++succeeded;
-        } else {
-          ++wrong;
-        }
-      }
-    });
+  transfer second;
+  std::atomic<bool> on_executor{false};
+  std::atomic<bool> done{false};
+  double waited_ms = -1;
+  {
+    paused_fabric pause;  // so that the coroutine suspends before the first write completes
+    transfer first = r.a_qp->write(r.a_mem->slice(0, 64), r.b_mem->remote().slice(0, 64));
+    write_again_inline(*r.exec_a, *r.a_qp, *r.a_mem, *r.b_mem, first, second, on_executor,
+                       waited_ms, done);
   }
-  for (std::thread& t : workers) t.join();
-  CHECK(wrong == 0);
-  CHECK(succeeded == threads * per_thread);
-  CHECK(r.a->counters().completions <= r.a->counters().work_requests_posted);
+  REQUIRE(ferry_test::wait_until([&] { return done.load(); }));
+  CHECK(on_executor);
+  INFO("the second write waited " << waited_ms << " ms on the executor thread");
+  CHECK(waited_ms < 300);  // the admission timeout, which the bug waited out
+  CHECK(second.wait_for(hang_bound) == transfer_state::success);
+  CHECK(second.error() != ferry::errc::submission_queue_full);
+}
+
+// Was: a closing queue pair is destroyed by maybe_destroy(), which on_completion() and on_receive()'s
+// error path call. If the last completion it waits for is a *successful* receive (a notification
+// that landed before the close was handled, not yet reaped), on_receive() files it in `arrived` and
+// returns without calling maybe_destroy(): the queue pair, its receive buffers' registration and its
+// completion-queue room stay until the device is destroyed.
+TEST_CASE("verbs: a closed queue pair whose last completion is a successful receive is destroyed",
+          "[verbs][regression]") {
+  fv::queue_pair_options o;
+  o.receive_depth = 1;
+  rig_options ro = rig::with(o, std::size_t{1} << 16);
+  ro.cq_entries = 1024;
+  ro.two_executors = true;
+  rig r(ro);
+  std::atomic<int> stage{0};
+  {
+    paused_fabric pause;  // the coroutine suspends before the write completes
+    transfer w = r.b_qp->write(r.b_mem->slice(0, 64), r.a_mem->remote().slice(0, 64));
+    hold_executor(w, stage);
+  }
+  // b's executor is now held inside b's poll(); a's executor runs freely.
+  REQUIRE(ferry_test::wait_until([&] { return stage.load() == 1; }));
+  REQUIRE(r.a_qp->send_notification(7).wait_for(hang_bound) == transfer_state::success);
+  // b's only receive has completed; the completion waits in b's CQ, unreaped.
+  const std::size_t before = fabric::instance().live_objects();
+  r.b_qp.reset();  // publishes the close op
+  stage = 2;       // b's executor goes on: routes the close, then reaps the receive
+  REQUIRE(ferry_test::wait_until([&] { return stage.load() == 3; }));
+  // The queue pair and its receive buffers' registration go (two fake objects).
+  CHECK(ferry_test::wait_until([&] { return fabric::instance().live_objects() == before - 2; },
+                               2000ms));
+}
+
+// Was: a unit cut by post_send part-way (bad_wr in the middle of the chain) is listed as posted by
+// its lead, but its signalled last member is still pending. (a) With ENOMEM the executor waits for
+// "completions in flight" to free room, but the only thing in flight may be this unit's unsignalled
+// head: no completion ever comes and the batch stays pending forever. (b) abandon_pending() (close,
+// fatal event, error completion, post failure) drops the unit's unposted tail with `continue`, so the
+// unit's last member is never posted and release_unit() is never called: its region stays
+// referenced and the closed queue pair is never destroyed (until the device is).
+//
+// The fake grants at most 32768 send slots and clamps a larger request; the device took its credits
+// from what it asked for, not from what create_qp granted, so a batch of 33000 was cut. (A cut is
+// still handled, for a provider that refuses part of a chain: see abandon_pending.)
+TEST_CASE("verbs: a batch larger than the send queue the device granted is refused whole",
+          "[verbs][regression]") {
+  constexpr std::size_t members = 33000;
+  batch_rig br(members, 70000);
+  rig& r = br.r;
+  const std::vector<block>& blocks = br.blocks;
+  std::vector<transfer> out(members);
+  r.a_qp->write_batch(std::span<const block>(blocks), std::span<transfer>(out));
+  // Credits come from what the device granted (the fake grants at most 32768), so the batch can
+  // never be cut by post_send: it is refused whole, at once.
+  CHECK(out.back().wait_for(hang_bound) == transfer_state::failed);
+  CHECK(out.front().error() == fv::errc::batch_exceeds_send_queue);
+  CHECK(r.a->counters().work_requests_posted == 0);
+  r.a_qp.reset();
+  CHECK(ferry_test::wait_until([&] { return !r.a_mem->in_use(); }));
+}
+
+// Was (liveness): every completion of a failed unit calls fail_unit(lead), which walks the whole
+// unit, so flushing a batch of k members costs k^2 status look-ups on the executor thread (the same
+// holds for break_queue_pair()'s and fail_everything()'s walks of the pending queue). Measured at
+// -O2: 4096 members 0.15 s, 16384 members 3.4 s, 32768 (mlx5's usual max_qp_wr) 15 s, during which
+// the executor completes nothing else.
+TEST_CASE("verbs: flushing a large failed batch costs linear time", "[verbs][regression]") {
+  constexpr std::size_t members = 16384;
+  batch_rig br(members, 40000);
+  rig& r = br.r;
+  const std::vector<block>& blocks = br.blocks;
+  std::vector<transfer> out(members);
+  double ms = 0;
+  {
+    paused_fabric pause;
+    r.a_qp->write_batch(std::span<const block>(blocks), std::span<transfer>(out));
+    REQUIRE(ferry_test::wait_until([&] { return r.a->counters().work_requests_posted >= members; }));
+    r.a_qp.reset();  // every member fails now; the flush (16384 completions) comes on resume
+    REQUIRE(out.back().wait_for(hang_bound) == transfer_state::failed);
+    const auto start = ferry_test::clock_type::now();
+    pause.resume();
+    REQUIRE(ferry_test::wait_until([&] { return !r.a_mem->in_use(); }, std::chrono::seconds(60)));
+    ms = ferry_test::ms_since(start);
+  }
+  INFO("16384 flush completions took " << ms << " ms to handle");
+  // Linear: tens of ms; it took seconds when each flush walked the whole batch. Room for a loaded
+  // machine and the sanitizer builds.
+  CHECK(ms < 3000);
 }
 
 namespace {
 
-// Two fake adapters with a region each, connected over the TCP side channel on loopback: `c` is the
-// connecting side (exposing nothing), `accepted` the listening side (exposing its region).
-struct side_channel_pair {
-  explicit side_channel_pair(fv::queue_pair_options o = {}) {
-    fv::side_channel_listener listener(0);
-    std::thread server([&] {
-      const fv::remote_region exposed[] = {b_mem.remote()};
-      accepted.emplace(listener.accept(b, std::span<const fv::remote_region>(exposed), o));
-    });
-    c.emplace(fv::connect(a, "127.0.0.1", listener.port(), std::span<const fv::remote_region>(), o));
-    server.join();
-  }
+// The fake adapter, except that while `refuse_naming_none` is set, post_send fails with EINVAL and
+// a bad_wr that names no request of the chain, having taken the whole chain (`takes_chain`) or
+// none of it.
+std::atomic<bool> refuse_naming_none{false};
 
-  ferry::progress_executor exec;
-  device a{exec, fv::device_options{fresh_device("hs_a"), 1, 0, 1024}};
-  device b{exec, fv::device_options{fresh_device("hs_b"), 1, 0, 1024}};
-  region a_mem = region::allocate(a, 1 << 16);
-  region b_mem = region::allocate(b, 1 << 16);
-  std::optional<fv::basic_connection<provider>> accepted;
-  std::optional<fv::basic_connection<provider>> c;
+std::atomic<bool> takes_chain{false};
+
+struct vague_provider : fv::fake::provider {
+  static int post_send(qp_handle qp, ibv_send_wr* wr, ibv_send_wr** bad) noexcept {
+    if (!refuse_naming_none.load()) return fv::fake::provider::post_send(qp, wr, bad);
+    if (takes_chain.load()) (void)fv::fake::provider::post_send(qp, wr, bad);
+    *bad = nullptr;
+    return EINVAL;
+  }
 };
 
 }  // namespace
 
-TEST_CASE("verbs: two queue pairs connect over the TCP side channel and exchange rkeys",
-          "[verbs]") {
-  side_channel_pair p;
-  REQUIRE(p.accepted.has_value());
-  REQUIRE(p.c->peer_regions.size() == 1);
-  CHECK(p.accepted->peer_regions.empty());
-  CHECK(p.c->peer_regions[0].rkey == p.b_mem.rkey());
-  fill_pattern(p.a_mem.bytes().first(4096), 11);
-  transfer t = p.c->qp.write(p.a_mem.slice(0, 4096), p.c->peer_regions[0].slice(512, 4096));
-  REQUIRE(t.wait_for(hang_bound) == transfer_state::success);
-  CHECK(has_pattern(p.b_mem.bytes().subspan(512, 4096), 11));
-  std::uint64_t v = 0;
-  transfer note = p.accepted->qp.receive_notification(v);
-  REQUIRE(p.c->qp.send_notification(99).wait_for(hang_bound) == transfer_state::success);
-  REQUIRE(note.wait_for(hang_bound) == transfer_state::success);
-  CHECK(v == 99);
-}
-
-TEST_CASE("verbs: after the handshake, peer checks start before any traffic", "[verbs]") {
-  // The handshake's last step tells each side that the other is connected; nothing else has come
-  // back from the peer when the wait starts.
-  fv::queue_pair_options o;
-  o.peer_check = 5ms;
-  side_channel_pair p(o);
-  std::uint64_t v = 0;
-  transfer note = p.c->qp.receive_notification(v);
-  p.accepted.reset();
-  REQUIRE(note.wait_for(hang_bound) == transfer_state::failed);
-  CHECK(note.error() == fv::errc::peer_unreachable);
-}
-
-TEST_CASE("verbs: a side channel peer that is not speaking the handshake is refused", "[verbs]") {
-  ferry::progress_executor exec;
-  device a(exec, fv::device_options{fresh_device("hs_bad"), 1, 0, 1024});
-  fv::side_channel_listener listener(0);
-  std::thread impostor([&] {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in to{};
-    to.sin_family = AF_INET;
-    to.sin_port = htons(listener.port());
-    to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (::connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof to) == 0) {
-      const char junk[64] = "GET / HTTP/1.1\r\nHost: x\r\n\r\n";
-      [[maybe_unused]] const ssize_t n = ::send(fd, junk, sizeof junk, MSG_NOSIGNAL);
-      char sink[256];
-      while (::recv(fd, sink, sizeof sink, 0) > 0) {
+TEST_CASE("verbs: a post refused without naming a request never leaves a transfer pending",
+          "[verbs][regression]") {
+  for (const bool taken : {false, true}) {
+    INFO("the adapter took the chain: " << taken);
+    using vdevice = fv::basic_device<vague_provider>;
+    using vregion = fv::basic_memory_region<vague_provider>;
+    using vqp = fv::basic_queue_pair<vague_provider>;
+    ferry::progress_executor exec;
+    vdevice a(exec, fv::device_options{fresh_device("vague_a"), 1, 0, 4096});
+    vdevice b(exec, fv::device_options{fresh_device("vague_b"), 1, 0, 4096});
+    std::vector<transfer> ts;
+    {
+      vregion a_mem = vregion::allocate(a, 1 << 16);
+      vregion b_mem = vregion::allocate(b, 1 << 16);
+      fv::queue_pair_options o;
+      o.flush_timeout = 100ms;
+      vqp a_qp(a, o);
+      vqp b_qp(b, o);
+      a_qp.connect(b_qp.local_info());
+      b_qp.connect(a_qp.local_info());
+      takes_chain = taken;
+      refuse_naming_none = true;
+      for (std::size_t i = 0; i < 8; ++i) {
+        ts.push_back(a_qp.write(a_mem.slice(i * 64, 64), b_mem.remote().slice(i * 64, 64)));
       }
+      for (const transfer& t : ts) REQUIRE(t.wait_for(hang_bound) != transfer_state::pending);
+      refuse_naming_none = false;
+      // The queue pair went down: nothing is accepted after such a refusal.
+      CHECK(a_qp.write(a_mem.slice(0, 8), b_mem.remote().slice(0, 8)).wait_for(hang_bound) ==
+            transfer_state::failed);
     }
-    ::close(fd);
-  });
-  try {
-    (void)listener.accept(a, std::span<const fv::remote_region>(), {}, 5s);
-    FAIL("the handshake accepted a peer that sent junk");
-  } catch (const std::system_error& e) {
-    CHECK(e.code() == fv::errc::handshake_failed);
-    CHECK(std::string(e.what()).find("magic") != std::string::npos);
   }
-  impostor.join();
-  // Nobody connects: a clear timeout, not a hang.
-  fv::side_channel_listener quiet(0);
-  CHECK_THROWS_AS(quiet.accept(a, std::span<const fv::remote_region>(), {}, 50ms), std::system_error);
+}
+
+namespace {
+
+// The fake adapter, except that a post can be cut: with `cut_after` at n, the next post_send takes
+// the first n requests of its chain and refuses the rest with ENOMEM (bad_wr naming the first one
+// refused), as an adapter whose send queue filled part-way does; `refuse_posts` then refuses that
+// many whole posts the same way.
+std::atomic<int> cut_after{-1};
+
+std::atomic<int> refuse_posts{0};
+
+struct cutting_provider : fv::fake::provider {
+  static int post_send(qp_handle qp, ibv_send_wr* wr, ibv_send_wr** bad) noexcept {
+    if (const int n = cut_after.exchange(-1); n >= 0) {
+      ibv_send_wr* last = nullptr;
+      ibv_send_wr* rest = wr;
+      for (int i = 0; i < n && rest != nullptr; ++i) {
+        last = rest;
+        rest = rest->next;
+      }
+      if (rest == nullptr) return fv::fake::provider::post_send(qp, wr, bad);
+      if (last != nullptr) {
+        last->next = nullptr;
+        const int r = fv::fake::provider::post_send(qp, wr, bad);
+        last->next = rest;
+        if (r != 0) return r;
+      }
+      *bad = rest;
+      return ENOMEM;
+    }
+    if (refuse_posts.load() > 0) {
+      refuse_posts.fetch_sub(1);
+      *bad = wr;
+      return ENOMEM;
+    }
+    return fv::fake::provider::post_send(qp, wr, bad);
+  }
+};
+
+// Two fake adapters behind cutting_provider, with a region each and a connected queue pair.
+struct cut_rig {
+  using cdevice = fv::basic_device<cutting_provider>;
+  using cregion = fv::basic_memory_region<cutting_provider>;
+  using cqp = fv::basic_queue_pair<cutting_provider>;
+  using cblock = fv::basic_rdma_block<cutting_provider>;
+
+  explicit cut_rig(fv::queue_pair_options o)
+      : a_qp(std::make_unique<cqp>(a, o)), b_qp(std::make_unique<cqp>(b, o)) {
+    a_qp->connect(b_qp->local_info());
+    b_qp->connect(a_qp->local_info());
+    fill_pattern(a_mem.bytes(), 11);
+  }
+  ~cut_rig() {
+    cut_after = -1;
+    refuse_posts = 0;
+  }
+
+  // A batch of `n` 64-byte WRITEs, block i at offset 64 (first + i) on both sides: one unit, only
+  // its last request signalled.
+  std::vector<transfer> batch(std::size_t first, std::size_t n) {
+    std::vector<cblock> blocks;
+    for (std::size_t i = first; i < first + n; ++i) {
+      blocks.push_back({a_mem.slice(i * 64, 64), b_mem.remote().slice(i * 64, 64)});
+    }
+    std::vector<transfer> out(n);
+    a_qp->write_batch(std::span<const cblock>(blocks), std::span<transfer>(out));
+    return out;
+  }
+
+  [[nodiscard]] bool landed(std::size_t first, std::size_t n) const {
+    const auto at = static_cast<std::ptrdiff_t>(first * 64);
+    const auto len = static_cast<std::ptrdiff_t>(n * 64);
+    return std::equal(a_mem.bytes().begin() + at, a_mem.bytes().begin() + at + len,
+                      b_mem.bytes().begin() + at);
+  }
+
+  ferry::progress_executor exec;
+  cdevice a{exec, fv::device_options{fresh_device("cut_a"), 1, 0, 4096}};
+  cdevice b{exec, fv::device_options{fresh_device("cut_b"), 1, 0, 4096}};
+  cregion a_mem = cregion::allocate(a, 1 << 16);
+  cregion b_mem = cregion::allocate(b, 1 << 16);
+  std::unique_ptr<cqp> a_qp;
+  std::unique_ptr<cqp> b_qp;
+};
+
+bool all_in(const std::vector<transfer>& ts, transfer_state want) {
+  return std::all_of(ts.begin(), ts.end(),
+                     [want](const transfer& t) { return t.wait_for(hang_bound) == want; });
+}
+
+}  // namespace
+
+TEST_CASE("verbs: a batch cut part-way by the adapter, with a completion coming, is finished later",
+          "[verbs][regression]") {
+  cut_rig r({});
+  paused_fabric pause;  // the first WRITE stays in the adapter: its completion is coming
+  std::vector<transfer> first = r.batch(0, 1);
+  REQUIRE(ferry_test::wait_until([&] { return r.a.counters().work_requests_posted >= 1; }));
+  cut_after = 2;
+  std::vector<transfer> cut = r.batch(1, 4);
+  REQUIRE(ferry_test::wait_until([&] { return cut_after.load() == -1; }));
+  pause.resume();
+  REQUIRE(all_in(first, transfer_state::success));
+  REQUIRE(all_in(cut, transfer_state::success));
+  CHECK(r.landed(0, 5));
+  CHECK_FALSE(r.a_qp->error());
+}
+
+TEST_CASE("verbs: a batch cut part-way with no completion coming ends on its flush, not before",
+          "[verbs][regression]") {
+  fv::queue_pair_options o;
+  o.flush_timeout = 10s;  // the flush, not the guard, must end it
+  cut_rig r(o);
+  cut_after = 2;  // the first two go out, the last two are refused
+  std::vector<transfer> cut = r.batch(0, 4);
+  REQUIRE(all_in(cut, transfer_state::failed));
+  // The queue pair went down; the refused tail was handed to it to flush, and that flush ended the
+  // unit: nothing holds the region any more, with the queue pair still open.
+  REQUIRE(ferry_test::wait_until([&] { return !r.a_mem.in_use(); }));
+  CHECK(r.a_qp->error());
+  CHECK(r.a.counters().flushes_overdue == 0);
+}
+
+TEST_CASE("verbs: a batch cut part-way whose tail cannot be handed over ends when its queue pair goes",
+          "[verbs][regression]") {
+  fv::queue_pair_options o;
+  o.flush_timeout = 20ms;
+  cut_rig r(o);
+  cut_after = 2;
+  refuse_posts = 1;  // and the tail's post into the broken queue pair is refused too
+  std::vector<transfer> cut = r.batch(0, 4);
+  REQUIRE(all_in(cut, transfer_state::failed));  // the head's flushes fail it, but the flush
+  std::this_thread::sleep_for(60ms);              // that would end it never comes, past the
+  CHECK(r.a_mem.in_use());                        // flush timeout too: the region stays
+  r.a_qp.reset();  // destroying the queue pair is what takes everything back
+  CHECK(ferry_test::wait_until([&] { return !r.a_mem.in_use(); }));
+}
+
+TEST_CASE("verbs: a peer check never takes a request's send-queue credit", "[verbs][regression]") {
+  // With one slot and checks every 20 us between requests, a check that took the requests' credit
+  // made try_write return nullopt on an idle queue pair (and an inline continuation's request fail
+  // with submission_queue_full).
+  fv::queue_pair_options o;
+  o.send_depth = 1;
+  o.peer_check = 20us;
+  rig r(o);
+  std::uint64_t v = 0;
+  transfer waiting = r.a_qp->receive_notification(v);
+  int refused = 0;
+  for (int i = 0; i < 5000 && refused == 0; ++i) {
+    std::optional<transfer> t =
+        r.a_qp->try_write(r.a_mem->slice(0, 8), r.b_mem->remote().slice(0, 8));
+    if (!t) {
+      ++refused;
+      break;
+    }
+    REQUIRE(t->wait_for(hang_bound) == transfer_state::success);
+    CHECK(r.a_qp->send_credits() == 1);
+  }
+  CHECK(refused == 0);
+  CHECK(r.a->counters().peer_checks > 0);
+  REQUIRE(r.b_qp->send_notification(1).wait_for(hang_bound) == transfer_state::success);
+  REQUIRE(waiting.wait_for(hang_bound) == transfer_state::success);
+}
+
+TEST_CASE("verbs: a request that finds a peer check filling the send queue goes out after it",
+          "[verbs][regression]") {
+  fv::queue_pair_options o;
+  o.send_depth = 1;
+  o.peer_check = 1ms;
+  rig r(o);
+  r.b_qp->mark_peer_connected();
+  std::uint64_t v = 0;
+  transfer waiting = r.b_qp->receive_notification(v);
+  paused_fabric pause;  // the adapter holds the check: the one-slot send queue is full
+  REQUIRE(ferry_test::wait_until([&] { return r.b->counters().peer_checks >= 1; }));
+  fill_pattern(r.b_mem->bytes().first(64), 5);
+  transfer w = r.b_qp->write(r.b_mem->slice(0, 64), r.a_mem->remote().slice(0, 64));
+  REQUIRE(ferry_test::wait_until([&] { return r.b->counters().post_calls >= 2; }));  // refused
+  CHECK(w.state() == transfer_state::pending);
+  pause.resume();
+  REQUIRE(w.wait_for(hang_bound) == transfer_state::success);
+  CHECK(has_pattern(r.a_mem->bytes().first(64), 5));
+  CHECK_FALSE(r.b_qp->error());
+  REQUIRE(r.a_qp->send_notification(3).wait_for(hang_bound) == transfer_state::success);
+  REQUIRE(waiting.wait_for(hang_bound) == transfer_state::success);
 }

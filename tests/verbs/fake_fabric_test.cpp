@@ -18,7 +18,7 @@
 
 #include <poll.h>
 
-#include <ferry/verbs/fake.hpp>
+#include <ferry/testing/verbs.hpp>
 
 namespace {
 

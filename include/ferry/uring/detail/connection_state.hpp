@@ -1,0 +1,78 @@
+#pragma once
+// A TCP connection as the io_uring ring sees it, and the ring's list of connections that have had
+// work (for cancel() and for closing a connection).
+
+#include <atomic>
+#include <cstddef>
+#include <system_error>
+
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "ferry/uring/detail/op.hpp"
+
+namespace ferry::uring::detail {
+
+// The handle (tcp_connection), every operation naming it and the ring's list of connections with
+// queued work each hold a reference; the last one closes the socket. Everything but `fd` and
+// `refs` belongs to the executor thread.
+struct connection_state {
+  int fd = -1;
+  std::atomic<int> refs{1};
+  std::atomic<bool> closing{false};  // set by close(): nothing queued starts any more
+  connection_state* list_prev = nullptr;
+  connection_state* list_next = nullptr;
+  bool listed = false;
+  op_queue<op> sends;
+  op_queue<op> receives;
+  bool sending = false;
+  bool receiving = false;
+  // The sends in flight: queued frames coalesced into one sendmsg, the first of them (the lead)
+  // owning the SQE. Frames complete when the whole group has gone out, or it is cut short.
+  static constexpr unsigned max_send_group = 16;
+  op* send_group[max_send_group] = {};
+  unsigned send_group_size = 0;
+  std::size_t group_length = 0;
+  std::size_t group_done = 0;
+  iovec send_live[2 * max_send_group] = {};
+  msghdr send_message{};
+  std::error_code send_error;     // once set, every later send fails with it
+  std::error_code receive_error;  // likewise for receives
+
+  void release(int n = 1) noexcept {
+    if (refs.fetch_sub(n, std::memory_order_acq_rel) == n) {
+      ::close(fd);
+      delete this;
+    }
+  }
+};
+
+// The connections that have had work, linked through their own list_prev/list_next. The list holds
+// a reference to each.
+class connection_list {
+ public:
+  [[nodiscard]] connection_state* front() const noexcept { return head_; }
+
+  void add(connection_state* c) noexcept {
+    if (c->listed) return;
+    c->listed = true;
+    c->refs.fetch_add(1, std::memory_order_relaxed);
+    c->list_prev = nullptr;
+    c->list_next = head_;
+    if (head_ != nullptr) head_->list_prev = c;
+    head_ = c;
+  }
+
+  // Takes a listed `c` off; the caller then owns the list's reference.
+  void remove(connection_state* c) noexcept {
+    (c->list_prev == nullptr ? head_ : c->list_prev->list_next) = c->list_next;
+    if (c->list_next != nullptr) c->list_next->list_prev = c->list_prev;
+    c->listed = false;
+  }
+
+ private:
+  connection_state* head_ = nullptr;
+};
+
+}  // namespace ferry::uring::detail

@@ -1,0 +1,181 @@
+#pragma once
+// Registered memory, and the ranges of it that requests read into or write from. Every request
+// using a region holds a reference to it, so it is deregistered (and, when it owns its memory,
+// freed) only once the adapter can no longer touch it. Regions are made by a basic_device
+// (device.hpp), which registers them.
+
+#include <infiniband/verbs.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <new>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "ferry/verbs/remote.hpp"
+
+namespace ferry::verbs {
+
+template <class P>
+class basic_device;
+template <class P>
+class basic_memory_region;
+template <class P>
+class basic_queue_pair;
+
+// The default access of a registered region: the peer may read and write it.
+inline constexpr int default_region_access =
+    IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+
+namespace detail {
+
+template <class P>
+struct region_state {
+  std::atomic<int> refs{1};
+  typename P::mr_handle mr{};
+  std::byte* data = nullptr;
+  std::size_t size = 0;
+  std::uint32_t lkey = 0;
+  std::uint32_t rkey = 0;
+  bool owned = false;
+  basic_device<P>* device = nullptr;
+
+  void add_ref() noexcept { refs.fetch_add(1, std::memory_order_relaxed); }
+  void release() noexcept;
+};
+
+template <class P>
+void region_state<P>::release() noexcept {
+  if (refs.fetch_sub(1, std::memory_order_acq_rel) == 1) device->unregister(this);
+}
+
+}  // namespace detail
+
+// A range of a registered region, to read into or write from.
+template <class P>
+class basic_local_slice {
+ public:
+  basic_local_slice() noexcept = default;
+
+  [[nodiscard]] std::byte* data() const noexcept { return data_; }
+  [[nodiscard]] std::size_t size() const noexcept { return length_; }
+  [[nodiscard]] std::span<std::byte> bytes() const noexcept { return {data_, length_}; }
+
+ private:
+  friend class basic_memory_region<P>;
+  friend class basic_queue_pair<P>;
+  basic_local_slice(detail::region_state<P>* r, std::byte* d, std::size_t n) noexcept
+      : region_(r), data_(d), length_(n) {}
+
+  detail::region_state<P>* region_ = nullptr;
+  std::byte* data_ = nullptr;
+  std::size_t length_ = 0;
+};
+
+// One member of a batched READ or WRITE.
+template <class P>
+struct basic_rdma_block {
+  basic_local_slice<P> local;
+  remote_slice remote;
+};
+
+// Registered memory. Requests hold references to it: it is deregistered, and memory it owns freed,
+// only when the handle and every request that used it are gone.
+template <class P>
+class basic_memory_region {
+ public:
+  basic_memory_region() noexcept = default;
+
+  // `bytes` of page-aligned, zeroed memory owned by the region.
+  [[nodiscard]] static basic_memory_region allocate(basic_device<P>& device, std::size_t bytes,
+                                                    int access = default_region_access) {
+    if (bytes == 0) {
+      throw std::invalid_argument("ferry::verbs::memory_region::allocate: zero bytes requested");
+    }
+    constexpr std::size_t page = 4096;
+    if (bytes > SIZE_MAX - (page - 1)) {
+      throw std::length_error("ferry::verbs::memory_region::allocate: " + std::to_string(bytes) +
+                              " bytes cannot be rounded up to whole pages");
+    }
+    const std::size_t rounded = (bytes + page - 1) / page * page;
+    auto* data = static_cast<std::byte*>(::operator new(rounded, std::align_val_t{page}));
+    std::memset(data, 0, rounded);
+    try {
+      return basic_memory_region(device.register_state(data, bytes, access, true));
+    } catch (...) {
+      ::operator delete(data, std::align_val_t{page});
+      throw;
+    }
+  }
+
+  // Registers memory the caller owns; it must outlive the region and every request using it
+  // (in_use() tells when none does).
+  [[nodiscard]] static basic_memory_region register_memory(basic_device<P>& device,
+                                                           std::span<std::byte> memory,
+                                                           int access = default_region_access) {
+    if (memory.empty()) {
+      throw std::invalid_argument("ferry::verbs::memory_region::register_memory: empty span");
+    }
+    return basic_memory_region(device.register_state(memory.data(), memory.size(), access, false));
+  }
+
+  basic_memory_region(basic_memory_region&& other) noexcept
+      : state_(std::exchange(other.state_, nullptr)) {}
+  basic_memory_region& operator=(basic_memory_region&& other) noexcept {
+    basic_memory_region(std::move(other)).swap(*this);
+    return *this;
+  }
+  ~basic_memory_region() {
+    if (state_ != nullptr) state_->release();
+  }
+  void swap(basic_memory_region& other) noexcept { std::swap(state_, other.state_); }
+
+  [[nodiscard]] std::byte* data() const noexcept { return state_->data; }
+  [[nodiscard]] std::size_t size() const noexcept { return state_->size; }
+  [[nodiscard]] std::span<std::byte> bytes() const noexcept { return {state_->data, state_->size}; }
+  [[nodiscard]] std::uint32_t lkey() const noexcept { return state_->lkey; }
+  [[nodiscard]] std::uint32_t rkey() const noexcept { return state_->rkey; }
+
+  // What a peer needs to read or write this region.
+  [[nodiscard]] remote_region remote() const noexcept {
+    return {reinterpret_cast<std::uintptr_t>(state_->data), state_->size, state_->rkey};
+  }
+
+  // True while some request still holds the region.
+  [[nodiscard]] bool in_use() const noexcept {
+    return state_->refs.load(std::memory_order_acquire) > 1;
+  }
+
+  // Throws std::out_of_range when [offset, offset + n) is not inside the region.
+  [[nodiscard]] basic_local_slice<P> slice(std::size_t offset, std::size_t n) const {
+    if (offset > state_->size || n > state_->size - offset) {
+      throw std::out_of_range("ferry::verbs::memory_region::slice: bytes [" +
+                              std::to_string(offset) + ", " + std::to_string(offset) + " + " +
+                              std::to_string(n) + ") are outside the region of " +
+                              std::to_string(state_->size) + " bytes");
+    }
+    return {state_, state_->data + offset, n};
+  }
+
+  // The same, for a span that must lie inside the region.
+  [[nodiscard]] basic_local_slice<P> slice(std::span<std::byte> part) const {
+    const auto begin = reinterpret_cast<std::uintptr_t>(state_->data);
+    const auto at = reinterpret_cast<std::uintptr_t>(part.data());
+    if (at < begin || at - begin > state_->size || part.size() > state_->size - (at - begin)) {
+      throw std::out_of_range("ferry::verbs::memory_region::slice: the span of " +
+                              std::to_string(part.size()) +
+                              " bytes does not lie inside the registered region");
+    }
+    return {state_, part.data(), part.size()};
+  }
+
+ private:
+  explicit basic_memory_region(detail::region_state<P>* s) noexcept : state_(s) {}
+  detail::region_state<P>* state_ = nullptr;
+};
+
+}  // namespace ferry::verbs

@@ -1,0 +1,49 @@
+#pragma once
+// What a device and a queue pair are opened with, and what a device counts.
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+namespace ferry::verbs {
+
+struct device_options {
+  std::string name;              // the device to open; empty: the first one found
+  std::uint8_t port = 1;
+  int gid_index = 0;             // the source GID when the port's link layer is Ethernet (RoCE)
+  int completion_queue_entries = 4096;
+};
+
+struct queue_pair_options {
+  std::uint32_t send_depth = 256;     // work requests in flight at once
+  std::uint32_t receive_depth = 64;   // notifications that may have arrived and not yet been taken
+  std::uint32_t max_inline_data = 64;
+  std::uint8_t max_rd_atomic = 16;    // RDMA READs in flight at once, each way
+  std::chrono::nanoseconds admission_timeout = std::chrono::milliseconds(100);
+  // How long a broken queue pair (deadline, close, fatal event, error completion) waits for the
+  // adapter to flush back what it holds. A request ends when its flush arrives, when the adapter
+  // no longer touches its memory; one still held after this fails anyway (its region stays
+  // registered until the flush or the queue pair's end), so that an adapter that never flushes
+  // cannot hang a wait.
+  std::chrono::nanoseconds flush_timeout = std::chrono::seconds(1);
+  // How often a queue pair with a receive_notification waiting, and nothing else in flight, checks
+  // that its peer is still there. RC tells of a peer that has gone (its process killed, its queue
+  // pair destroyed) only when something is sent to it, so a wait for its next notification would
+  // otherwise wait for ever. The check is a zero-length RDMA WRITE, which the peer's adapter answers
+  // without its software; when it fails (IBV_WC_RETRY_EXC_ERR, once the adapter's retries run out)
+  // the waits fail with errc::peer_unreachable. Checks start once the peer is known to be
+  // connected (the handshake, mark_peer_connected, or anything that came back from it), go out only
+  // while nothing else is in flight, and take no request's send-queue credit. Zero turns them off.
+  std::chrono::nanoseconds peer_check = std::chrono::seconds(1);
+};
+
+struct device_counters {
+  std::uint64_t work_requests_posted = 0;  // peer checks included
+  std::uint64_t post_calls = 0;  // ibv_post_send calls: doorbells
+  std::uint64_t completions = 0;
+  std::uint64_t async_events = 0;
+  std::uint64_t flushes_overdue = 0;  // broken queue pairs the adapter did not flush in time
+  std::uint64_t peer_checks = 0;      // zero-length WRITEs sent to check a peer is still there
+};
+
+}  // namespace ferry::verbs

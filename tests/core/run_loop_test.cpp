@@ -1,0 +1,275 @@
+// run_loop: post, run_one, poll and stop; waking a sleeping run(); its idle spin, fixed and adaptive.
+
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include <ferry/detail/spin.hpp>
+#include <ferry/run_loop.hpp>
+
+#include "helpers.hpp"
+
+using namespace ferry_test;
+
+TEST_CASE("run_loop: post, run_one, poll and stop", "[run_loop]") {
+  ferry::run_loop loop;
+  CHECK(loop.poll() == 0);
+  loop.post(std::noop_coroutine());
+  loop.post(std::noop_coroutine());
+  CHECK(loop.size() == 2);
+  CHECK(loop.run_one());
+  CHECK(loop.poll() == 1);
+  loop.stop();
+  CHECK_FALSE(loop.run_one());  // the stop is consumed...
+  const auto start = clock_type::now();  // before the stopper's sleep can begin
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(20ms);
+    loop.stop();
+  });
+  loop.run();  // ...so this run sleeps until the next stop
+  stopper.join();
+  CHECK(ms_since(start) >= 15);
+}
+
+namespace {
+
+// Posts `rounds` hops to `engine` from this thread, pausing `gap` before each; every hop must run on
+// the engine thread.
+void hop_rounds(engine_thread& engine, int rounds, std::chrono::microseconds gap) {
+  for (int i = 0; i < rounds; ++i) {
+    if (gap.count() != 0) std::this_thread::sleep_for(gap);
+    std::atomic<bool> ran{false};
+    std::atomic<std::thread::id> where{};
+    [](ferry::run_loop& l, std::atomic<bool>& r, std::atomic<std::thread::id>& w) -> detached {
+      co_await hop{l};
+      w.store(std::this_thread::get_id());
+      r.store(true);
+    }(engine.loop(), ran, where);
+    while (!ran.load()) std::this_thread::yield();
+    REQUIRE(where.load() == engine.id());
+  }
+}
+
+}  // namespace
+
+TEST_CASE("run_loop wakes a sleeping run() for work posted from another thread",
+          "[run_loop][concurrency]") {
+  SECTION("a loop that sleeps at once") {
+    engine_thread engine(0ns);
+    hop_rounds(engine, 1000, 0us);
+  }
+  SECTION("a spinning loop, posted to while it spins and after it has gone to sleep") {
+    engine_thread engine(200us);
+    hop_rounds(engine, 1000, 0us);
+    hop_rounds(engine, 50, 1000us);
+  }
+}
+
+TEST_CASE("run_loop: posts from several threads to a loop that keeps falling asleep all run",
+          "[run_loop][concurrency]") {
+  // A loop that sleeps at once, posted to from four threads at irregular moments: each post may
+  // land just before the loop registers as a sleeper, just after, or while an earlier post's wake
+  // is still on its way. A wake that is claimed but never delivered leaves the loop asleep with
+  // work queued, and the count below stops short.
+  constexpr int posters = 4;
+  constexpr int per_poster = 5000;
+  std::atomic<int> ran{0};  // before the engine, which may still run a late hop as it stops
+  engine_thread engine(0ns);
+  std::vector<std::thread> threads;
+  for (int p = 0; p < posters; ++p) {
+    threads.emplace_back([&, p] {
+      std::minstd_rand pause(static_cast<unsigned>(p + 1));
+      for (int i = 0; i < per_poster; ++i) {
+        [](ferry::run_loop& l, std::atomic<int>& count) -> detached {
+          co_await hop{l};
+          count.fetch_add(1, std::memory_order_relaxed);
+        }(engine.loop(), ran);
+        // Mostly back to back, now and then long enough for the loop to go to sleep.
+        if (pause() % 8 == 0) std::this_thread::sleep_for(std::chrono::microseconds(pause() % 50));
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  const auto deadline = clock_type::now() + 60s;
+  while (ran.load() != posters * per_poster && clock_type::now() < deadline) {
+    std::this_thread::sleep_for(1ms);
+  }
+  REQUIRE(ran.load() == posters * per_poster);
+}
+
+TEST_CASE("run_loop: a stop racing with the loop going to sleep always ends run()",
+          "[run_loop][concurrency]") {
+  // Each stop lands at a different point of a loop that sleeps at once: before it looks at the
+  // queue, while it registers as a sleeper, or once it sleeps. A stop lost there leaves run() asleep.
+  constexpr int rounds = 20000;
+  ferry::run_loop loop(0ns);
+  std::atomic<int> runs_ended{0};
+  std::atomic<bool> give_up{false};
+  std::atomic<bool> finished{false};
+  std::thread runner([&] {
+    for (int i = 0; i < rounds && !give_up.load(); ++i) {
+      loop.run();
+      runs_ended.fetch_add(1);
+    }
+    finished.store(true);
+  });
+  std::minstd_rand pause(7);
+  int ended = 0;
+  for (int i = 0; i < rounds; ++i) {
+    // A busy look (yielding if the runner is off its CPU), so that the pause below starts as the
+    // runner heads back into run(); the pause then spreads the stops over the few hundred
+    // nanoseconds it takes to reach the futex.
+    for (int look = 0; runs_ended.load() != i; ++look) {
+      if (look < 1000) {
+        ferry::detail::cpu_relax();
+      } else {
+        std::this_thread::yield();
+      }
+    }
+    for (unsigned spin = pause() % 64; spin != 0; --spin) ferry::detail::cpu_relax();
+    loop.stop();
+    const auto deadline = clock_type::now() + 60s;
+    while (runs_ended.load() == i && clock_type::now() < deadline) std::this_thread::yield();
+    ended = runs_ended.load();
+    if (ended != i + 1) break;
+  }
+  give_up.store(true);
+  while (!finished.load()) {  // lets a failed round's runner finish, so that it can be joined
+    loop.stop();
+    std::this_thread::sleep_for(1ms);
+  }
+  runner.join();
+  CHECK(ended == rounds);
+}
+
+TEST_CASE("run_loop: an idle loop's spin ends early for work and for stop", "[run_loop]") {
+  // A spin far longer than the test: waiting it out would show as a hang.
+  ferry::run_loop loop(std::chrono::seconds(30));
+  const auto start = clock_type::now();  // before the poster's first sleep can begin
+  std::thread poster([&] {
+    std::this_thread::sleep_for(20ms);
+    loop.post(std::noop_coroutine());
+    std::this_thread::sleep_for(20ms);
+    loop.stop();
+  });
+  CHECK(loop.run_one());
+  CHECK_FALSE(loop.run_one());
+  poster.join();
+  CHECK(ms_since(start) >= 35);
+  CHECK(ms_since(start) < 10'000);
+}
+
+TEST_CASE("run_loop: the spins it takes, and the ones it refuses", "[run_loop]") {
+  const ferry::run_loop adaptive;
+  CHECK(adaptive.spin() == ferry::run_loop::default_spin);
+  CHECK(adaptive.max_spin() == ferry::run_loop::default_max_spin);
+  CHECK(adaptive.current_spin() == ferry::run_loop::default_spin);
+  const ferry::run_loop fixed(3us);
+  CHECK(fixed.spin() == 3us);
+  CHECK(fixed.max_spin() == 3us);
+  const ferry::run_loop given(10us, 2ms);
+  CHECK(given.spin() == 10us);
+  CHECK(given.max_spin() == 2ms);
+  CHECK(given.current_spin() == 10us);
+  CHECK_THROWS_WITH(ferry::run_loop(100us, 50us),
+                    Catch::Contains("max_spin must not be less than spin"));
+  CHECK_THROWS_WITH(ferry::run_loop(-1us, 50us), Catch::Contains("spin must not be negative"));
+
+  // A fixed negative spin means none.
+  ferry::run_loop loop(-5ms);
+  CHECK(loop.spin() == 0ns);
+  CHECK(loop.max_spin() == 0ns);
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(20ms);
+    loop.stop();
+  });
+  loop.run();
+  stopper.join();
+  loop.post(std::noop_coroutine());
+  CHECK(loop.poll() == 1);
+}
+
+namespace {
+
+struct idle_record {
+  std::uint64_t late_sleeps = 0;  // over the last half of the posts
+  std::chrono::nanoseconds spin_before_last{};  // as the last gap began (the stop after it may
+                                                // end one more sleep, and move the spin again)
+};
+
+// Runs `loop` on this thread while another posts `count` items to it, `gap` apart (at least).
+idle_record run_posted_every(ferry::run_loop& loop, int count, std::chrono::microseconds gap) {
+  std::uint64_t halfway = 0;
+  std::chrono::nanoseconds spin_before_last{};
+  std::thread poster([&] {
+    for (int i = 0; i < count; ++i) {
+      if (i == count / 2) halfway = loop.sleeps();
+      if (i == count - 1) spin_before_last = loop.current_spin();
+      std::this_thread::sleep_for(gap);
+      loop.post(std::noop_coroutine());
+    }
+    loop.stop();
+  });
+  loop.run();
+  poster.join();
+  return {loop.sleeps() - halfway, spin_before_last};
+}
+
+}  // namespace
+
+TEST_CASE("run_loop: an adaptive spin grows to meet work that keeps coming, and shrinks after",
+          "[run_loop][concurrency]") {
+  // Posts 200 us apart or more: longer than the least spin, so a fixed one sleeps before nearly
+  // every post; far shorter than the most (5 ms, which a busy machine's hiccups rarely reach), so
+  // an adaptive one soon stops sleeping at all.
+  constexpr int posts = 400;
+  constexpr auto gap = 200us;
+  const auto least = GENERATE(0us, 20us);
+  CAPTURE(least.count());
+
+  ferry::run_loop fixed(least);
+  CHECK(run_posted_every(fixed, posts, gap).late_sleeps >= posts / 4);
+
+  ferry::run_loop adaptive(least, 5ms);
+  const idle_record busy = run_posted_every(adaptive, posts, gap);
+  CHECK(busy.late_sleeps <= posts / 16);
+  CHECK(busy.spin_before_last >= gap);
+  CHECK(busy.spin_before_last <= 5ms);
+
+  // Posts 20 ms apart, longer than the most: each sleep halves the spin, back to the least (from
+  // 5 ms, eight halvings reach 20 us, and with a least of 0 twelve bring it under 2 us).
+  const idle_record quiet = run_posted_every(adaptive, 24, 20ms);
+  if (least == 0us) {
+    CHECK(quiet.spin_before_last < 2us);
+  } else {
+    CHECK(quiet.spin_before_last == least);
+  }
+}
+
+TEST_CASE("run_loop: the loop may be destroyed as soon as run() returns to a stop from another "
+          "thread",
+          "[run_loop][concurrency]") {
+  // sync_wait's loop lives just that long: it is freed the moment run() returns. A stop() that
+  // still wrote to the loop after making the stop visible is a use after free, which TSan names
+  // (it did for the stop that set a flag and then moved the futex word, in most runs of this test).
+  std::minstd_rand pause(11);
+  constexpr int rounds = 2000;
+  for (int i = 0; i < rounds; ++i) {
+    auto loop = std::make_unique<ferry::run_loop>(i % 2 == 0 ? 0ns : 20us);
+    std::atomic<bool> running{false};
+    std::thread stopper([&running, raw = loop.get(), spin = pause() % 2000] {
+      while (!running.load()) std::this_thread::yield();
+      for (unsigned k = 0; k < spin; ++k) ferry::detail::cpu_relax();
+      raw->stop();
+    });
+    running.store(true);
+    loop->run();
+    loop.reset();
+    stopper.join();
+  }
+}
