@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <exception>
 #include <functional>
+#include <span>
 #include <system_error>
 #include <thread>
 #include <type_traits>
@@ -199,5 +200,36 @@ struct inline_task {
     void unhandled_exception() noexcept { std::terminate(); }
   };
 };
+
+// One thread fails member 0 and then member n-1 of a fresh batch, strictly one after the other,
+// while `look` reads a verdict on this thread, landing at a different point of the look each round
+// (a look at 4096 members takes a few microseconds). Returns how many rounds named member n-1, the
+// later failure, among those that came back failed.
+template <class Look>
+int later_failure_named(std::size_t n, int rounds, Look look) {
+  int wrong = 0;
+  for (int round = 0; round < rounds; ++round) {
+    batch b(n);
+    std::atomic<bool> ready{false};
+    std::atomic<bool> go{false};
+    std::thread failer([&] {
+      ready.store(true, std::memory_order_release);
+      while (!go.load(std::memory_order_acquire)) {
+      }
+      const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(round % 8 * 300);
+      while (std::chrono::steady_clock::now() < until) {
+      }
+      b.completers[0].fail(io_error);
+      b.completers[n - 1].fail(std::make_error_code(std::errc::timed_out));
+    });
+    while (!ready.load(std::memory_order_acquire)) {
+    }
+    go.store(true, std::memory_order_release);
+    const ferry::batch_result r = look(std::span<const ferry::transfer>(b.transfers));
+    failer.join();
+    if (r.verdict == ferry::verdict::failed && r.first_failed != 0u) ++wrong;
+  }
+  return wrong;
+}
 
 }  // namespace ferry_test

@@ -6,16 +6,19 @@
 #include <span>
 
 #include "ferry/batch_result.hpp"
+#include "ferry/detail/status_block.hpp"
 #include "ferry/errors.hpp"
 #include "ferry/transfer.hpp"
 
 namespace ferry {
 
-// success iff every member succeeded; failed if any member failed or was cancelled, even with others
-// pending; otherwise pending. Empty: success. Never blocks, never drives progress.
-[[nodiscard]] inline batch_result poll_all(std::span<const transfer> members) noexcept {
+namespace detail {
+
+// One look at every member, in index order: the verdict, with `first_sequence` the number of the
+// earliest failure seen.
+[[nodiscard]] inline batch_result look_at(std::span<const transfer> members,
+                                          std::uint64_t& first_sequence) noexcept {
   batch_result r;
-  std::uint64_t first_sequence = 0;
   for (std::size_t i = 0; i < members.size(); ++i) {
     const transfer& t = members[i];
     const transfer_state s = t.state();
@@ -24,11 +27,10 @@ namespace ferry {
       ++r.pending;
       continue;
     }
-    const detail::status_block* block = t.status();
-    const detail::completion_event ev =
-        block == nullptr
-            ? detail::completion_event{s, make_error_code(errc::empty_transfer), 0}
-            : block->event();
+    const status_block* block = t.status();
+    const completion_event ev =
+        block == nullptr ? completion_event{s, make_error_code(errc::empty_transfer), 0}
+                         : block->event();
     if (!r.first_failed || ev.sequence < first_sequence) {
       r.first_failed = i;
       r.error = ev.error;
@@ -39,6 +41,29 @@ namespace ferry {
               : r.pending != 0 ? verdict::pending
                                : verdict::success;
   return r;
+}
+
+}  // namespace detail
+
+// success iff every member succeeded; failed if any member failed or was cancelled, even with others
+// pending; otherwise pending. Empty: success. Never blocks, never drives progress.
+//
+// first_failed is the failure first in time (lowest sequence number), not the lowest index: if
+// member i's failure was published before member j's failure took its number, j is never named. A
+// look in index order can pass i while it is still pending and then find j further on; it can do
+// so only if j took its number while the look ran (above `before`), so only then is a second look
+// made. Having seen j's state (acquire, pairing with its release publish), the second look sees
+// everything published before j's number was taken, i included. When the earliest failure the
+// first look saw is numbered at or below `before`, the load of `before` already ordered every
+// failure published before that number ahead of the look, so one look is enough. The common paths
+// (no failure, or failures older than the look) cost one load more than a single look.
+[[nodiscard]] inline batch_result poll_all(std::span<const transfer> members) noexcept {
+  // Acquire pairs with the acq_rel number-taking in status_block::complete() (see above).
+  const std::uint64_t before = detail::failures.sequence.load(std::memory_order_acquire);
+  std::uint64_t first_sequence = 0;
+  const batch_result r = detail::look_at(members, first_sequence);
+  if (!r.first_failed || first_sequence <= before) return r;
+  return detail::look_at(members, first_sequence);
 }
 
 }  // namespace ferry

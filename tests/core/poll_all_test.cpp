@@ -2,6 +2,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <span>
 #include <vector>
 
 #include <ferry/poll_all.hpp>
@@ -66,5 +67,23 @@ TEST_CASE("poll_all: empty, mixed and failed spans", "[poll_all]") {
     (void)ferry::poll_all(b.transfers);
     CHECK(b.transfers[0].state() == transfer_state::pending);
     CHECK(b.completers[0].succeed());
+  }
+}
+
+// The failure first in time, when its member was passed pending by the look (issue 23, item 1).
+TEST_CASE("poll_all names a failure that came first even if its member was passed pending",
+          "[poll_all][concurrency][regression]") {
+  // Looks repeatedly while the two failures land: any failed look must name member 0.
+  for (const std::size_t n : {std::size_t{2}, std::size_t{4096}}) {
+    const int wrong = later_failure_named(n, 300, [](std::span<const ferry::transfer> ts) {
+      ferry::batch_result last;
+      for (int i = 0; i < 64; ++i) {
+        last = ferry::poll_all(ts);
+        if (last.verdict == verdict::failed && last.first_failed != 0u) return last;
+      }
+      return last;
+    });
+    CAPTURE(n);
+    CHECK(wrong == 0);
   }
 }

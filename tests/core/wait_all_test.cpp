@@ -241,3 +241,14 @@ TEST_CASE("repeated timed waits behind a waiter that stays do not grow the waite
   CHECK(grown < 1'000'000);
   stays.handle.destroy();
 }
+
+TEST_CASE("wait_all decided by its first look names the failure first in time",
+          "[wait_all][concurrency][regression]") {
+  for (const std::size_t n : {std::size_t{2}, std::size_t{4096}}) {
+    const int wrong = later_failure_named(n, 300, [](std::span<const ferry::transfer> ts) {
+      return ferry::wait_all(ts, hang_bound);
+    });
+    CAPTURE(n);
+    CHECK(wrong == 0);
+  }
+}

@@ -306,3 +306,24 @@ TEST_CASE("a failed when_all resumed inline, inside its own failure's delivery, 
   CHECK(r.first_failed == 1u);
   CHECK(r.error == std::errc::io_error);
 }
+
+TEST_CASE("when_all decided in await_ready names the failure first in time",
+          "[when_all][concurrency][regression]") {
+  ferry::run_loop loop;  // run by this thread: the await resumes in poll() below
+  for (const std::size_t n : {std::size_t{2}, std::size_t{4096}}) {
+    const int wrong = later_failure_named(n, 300, [&](std::span<const ferry::transfer> ts) {
+      ferry::batch_result r;
+      std::atomic<bool> done{false};
+      [](ferry::run_loop& l, std::span<const ferry::transfer> m, ferry::batch_result& out,
+         std::atomic<bool>& d) -> detached {
+        (void)l;
+        out = co_await ferry::when_all(m, hang_bound);
+        d.store(true);
+      }(loop, ts, r, done);
+      while (!done.load()) loop.poll();
+      return r;
+    });
+    CAPTURE(n);
+    CHECK(wrong == 0);
+  }
+}
