@@ -16,6 +16,12 @@
 //
 // A sleeping loop is woken once per sleep: the first post to find it registered claims the wake, so
 // a burst of completions posted to it while it wakes up costs one futex call, not one each.
+//
+// post() never throws (ferry's schedulers must not: see scheduler.hpp). The queue is a ring made
+// at construction and grown as work piles up; should growing fail for want of memory, a post on
+// the loop's own thread runs the oldest queued item there, at once, and a post from another thread
+// waits for the loop to take one. Either way nothing is lost and nothing runs on a thread it does
+// not belong to.
 
 #include <algorithm>
 #include <atomic>
@@ -23,10 +29,12 @@
 #include <coroutine>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <mutex>
+#include <new>
 #include <stdexcept>
+#include <thread>
 #include <utility>
-#include <vector>
 
 #include "ferry/detail/futex.hpp"
 #include "ferry/detail/spin.hpp"
@@ -40,12 +48,13 @@ class run_loop {
   static constexpr std::chrono::nanoseconds default_spin = std::chrono::microseconds(50);
   static constexpr std::chrono::nanoseconds default_max_spin = std::chrono::microseconds(500);
 
-  // Adapts its idle spin between default_spin and default_max_spin.
-  run_loop() = default;
+  // Adapts its idle spin between default_spin and default_max_spin. Throws std::bad_alloc if the
+  // queue's first ring cannot be made.
+  run_loop() : run_loop(spins{default_spin, default_max_spin}) {}
 
   // A fixed idle spin: how long an idle run() or run_one() looks for work before it sleeps; zero
   // (or less) sleeps at once (no CPU spent idle, a futex wake for every post to a sleeping loop).
-  explicit run_loop(std::chrono::nanoseconds spin) noexcept : run_loop(at_least_zero(spin)) {}
+  explicit run_loop(std::chrono::nanoseconds spin) : run_loop(at_least_zero(spin)) {}
 
   // An idle spin that adapts between `spin` and `max_spin` (see the top of this file). max_spin is
   // also the idle time past which the spin shrinks: a loop given a long one spins that long after
@@ -69,15 +78,33 @@ class run_loop {
     return sleeps_.load(std::memory_order_relaxed);
   }
 
-  // Any thread. Wakes the running thread only if it sleeps, and only the first post to find it so.
-  void post(std::coroutine_handle<> h) {
-    bool wake = false;
-    {
-      std::lock_guard lock(mutex_);
-      push(h);
-      wake = claim_sleepers();
+  // Any thread; never throws. Wakes the running thread only if it sleeps, and only the first post to
+  // find it so.
+  void post(std::coroutine_handle<> h) noexcept {
+    for (;;) {
+      bool wake = false;
+      bool queued = false;
+      {
+        std::lock_guard lock(mutex_);
+        queued = push(h);
+        wake = claim_sleepers();
+      }
+      if (wake) detail::futex_wake_all(epoch_);
+      if (queued) return;
+      // The ring is full and cannot grow. On the loop's own thread, the oldest item may run here
+      // (it belongs to this thread); elsewhere, wait for the loop to take one.
+      if (running_.load(std::memory_order_relaxed) == std::this_thread::get_id()) {
+        if (std::coroutine_handle<> oldest = pop()) oldest.resume();
+      } else {
+        std::this_thread::yield();
+      }
     }
-    if (wake) detail::futex_wake_all(epoch_);
+  }
+
+  // How many handles the queue can hold before it must grow (for tests and monitoring).
+  [[nodiscard]] std::size_t capacity() const noexcept {
+    std::lock_guard lock(mutex_);
+    return capacity_;
   }
 
   // Runs posted work until stop(); the stop is consumed, so run() may be called again.
@@ -89,6 +116,7 @@ class run_loop {
   // Runs one posted item, sleeping until there is one. Returns false, without running anything, when
   // stop() ends the wait (the stop is consumed).
   bool run_one() {
+    running_.store(std::this_thread::get_id(), std::memory_order_relaxed);
     for (;;) {
       if (take_stop()) return false;
       if (std::coroutine_handle<> h = pop(); h) {
@@ -101,6 +129,7 @@ class run_loop {
 
   // Runs what is ready now, never sleeping; returns how many items ran.
   std::size_t poll() {
+    running_.store(std::this_thread::get_id(), std::memory_order_relaxed);
     std::size_t ran = 0;
     while (std::coroutine_handle<> h = pop()) {
       h.resume();
@@ -132,8 +161,12 @@ class run_loop {
     nanoseconds least, most;
   };
 
-  explicit run_loop(spins s) noexcept
-      : spin_(s.least), max_spin_(s.most), current_spin_(s.least.count()) {}
+  explicit run_loop(spins s)
+      : ring_(new std::coroutine_handle<>[first_capacity]),
+        capacity_(first_capacity),
+        spin_(s.least),
+        max_spin_(s.most),
+        current_spin_(s.least.count()) {}
 
   static spins at_least_zero(nanoseconds spin) noexcept {
     const nanoseconds least = std::max(spin, nanoseconds::zero());
@@ -208,33 +241,45 @@ class run_loop {
                         std::memory_order_relaxed);
   }
 
-  // A growable ring: no allocation once it has reached its working size.
-  void push(std::coroutine_handle<> h) {
-    if (count_ == ring_.size()) grow();
-    ring_[(head_ + count_) & (ring_.size() - 1)] = h;
+  // A growable ring: no allocation once it has reached its working size. Under mutex_; false when it
+  // is full and cannot grow (no memory).
+  bool push(std::coroutine_handle<> h) noexcept {
+    if (count_ == capacity_ && !grow()) return false;
+    ring_[(head_ + count_) & (capacity_ - 1)] = h;
     ++count_;
     queued_.store(count_, std::memory_order_relaxed);
+    return true;
   }
 
-  std::coroutine_handle<> pop() {
+  std::coroutine_handle<> pop() noexcept {
     std::lock_guard lock(mutex_);
     if (count_ == 0) return {};
     std::coroutine_handle<> h = ring_[head_];
-    head_ = (head_ + 1) & (ring_.size() - 1);
+    head_ = (head_ + 1) & (capacity_ - 1);
     --count_;
     queued_.store(count_, std::memory_order_relaxed);
     return h;
   }
 
-  void grow() {
-    std::vector<std::coroutine_handle<>> bigger(ring_.empty() ? 64 : ring_.size() * 2);
-    for (std::size_t i = 0; i < count_; ++i) bigger[i] = ring_[(head_ + i) & (ring_.size() - 1)];
-    ring_ = std::move(bigger);
+  bool grow() noexcept {
+    const std::size_t bigger = capacity_ * 2;
+    std::unique_ptr<std::coroutine_handle<>[]> ring(
+        new (std::nothrow) std::coroutine_handle<>[bigger]);
+    if (ring == nullptr) return false;
+    for (std::size_t i = 0; i < count_; ++i) ring[i] = ring_[(head_ + i) & (capacity_ - 1)];
+    ring_ = std::move(ring);
+    capacity_ = bigger;
     head_ = 0;
+    return true;
   }
 
+  static constexpr std::size_t first_capacity = 64;  // a power of two, as every later size
+
   mutable detail::short_hold_mutex mutex_;
-  std::vector<std::coroutine_handle<>> ring_;
+  // The thread that last ran the loop (run, run_one or poll): a post from it may run queued work.
+  std::atomic<std::thread::id> running_{};
+  std::unique_ptr<std::coroutine_handle<>[]> ring_;
+  std::size_t capacity_ = 0;
   std::size_t head_ = 0;
   std::size_t count_ = 0;
   // count_ mirrored for the idle spin, which looks without the lock (a hint: pop() decides).

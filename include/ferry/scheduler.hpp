@@ -1,7 +1,16 @@
 #pragma once
-// Where a coroutine resumes. A scheduler is anything with post(std::coroutine_handle<>): a user's own
-// event loop qualifies as it is. A coroutine that awaits a ferry awaitable resumes on the scheduler its
-// promise names through get_scheduler(), or on the one given with resume_on(scheduler, awaitable).
+// Where a coroutine resumes. A scheduler is anything with a noexcept post(std::coroutine_handle<>): a
+// user's own event loop qualifies as it is. A coroutine that awaits a ferry awaitable resumes on the
+// scheduler its promise names through get_scheduler(), or on the one given with
+// resume_on(scheduler, awaitable).
+//
+// post() must not throw. ferry calls it on whichever thread completes the transfer (the progress
+// executor's, a timer's, the user's own), after the verdict is decided: there is nobody to hand an
+// exception to, and a continuation that was not posted would never resume. So a scheduler whose
+// post() is not noexcept is refused at compile time, with a message that says so. A post that may
+// fail to allocate must deal with that itself (ferry::run_loop reserves its queue and never throws
+// once constructed); declaring it noexcept where it may still throw ends the process on that
+// thread, as noexcept does anywhere.
 
 #include <concepts>
 #include <coroutine>
@@ -13,26 +22,51 @@
 namespace ferry {
 
 template <class S>
-concept scheduler = requires(S& s, std::coroutine_handle<> h) { s.post(h); };
+concept scheduler = requires(S& s, std::coroutine_handle<> h) {
+  { s.post(h) } noexcept;
+};
+
+namespace detail {
+
+// Has a post(), noexcept or not: to tell "not a scheduler" from "post() may throw" in messages.
+template <class S>
+concept has_post = requires(S& s, std::coroutine_handle<> h) { s.post(h); };
+
+template <class S>
+consteval bool check_scheduler() {
+  static_assert(has_post<S>,
+                "ferry: a scheduler needs a member post(std::coroutine_handle<>) that resumes the "
+                "handle on the scheduler's own thread");
+  static_assert(!has_post<S> || scheduler<S>,
+                "ferry: the scheduler's post(std::coroutine_handle<>) must be noexcept. ferry posts "
+                "continuations from the thread that completed a transfer, where an exception has "
+                "nowhere to go and a continuation not posted would never resume: make post() "
+                "noexcept and handle a failure to queue inside it");
+  return true;
+}
+
+}  // namespace detail
 
 // Resumes on the completing thread, which may be the progress executor's. Explicit opt-in only:
-// the continuation then runs inside the executor's loop and delays every other completion.
+// the continuation then runs inside the executor's loop and delays every other completion. Like any
+// post, it must not throw: a coroutine resumed here whose promise lets an exception leave resume()
+// (an unhandled_exception() that rethrows) ends the process, on the completing thread.
 struct inline_scheduler {
-  void post(std::coroutine_handle<> h) const { h.resume(); }
+  void post(std::coroutine_handle<> h) const noexcept { h.resume(); }
 };
 
 // A copyable, type-erased scheduler: either a small scheduler value held inline, or a reference to a
 // scheduler that outlives every coroutine using it.
 class any_scheduler {
   struct ops {
-    void (*post)(const void* storage, std::coroutine_handle<> h);
+    void (*post)(const void* storage, std::coroutine_handle<> h) noexcept;
     void (*copy)(void* to, const void* from) noexcept;
     void (*destroy)(void* storage) noexcept;
   };
 
   template <class S>
   static constexpr ops value_ops{
-      [](const void* storage, std::coroutine_handle<> h) {
+      [](const void* storage, std::coroutine_handle<> h) noexcept {
         // Copy first: posting may resume the coroutine that owns `storage`, which may then free it.
         S local(*static_cast<const S*>(storage));
         local.post(h);
@@ -43,7 +77,7 @@ class any_scheduler {
 
   template <class S>
   static constexpr ops reference_ops{
-      [](const void* storage, std::coroutine_handle<> h) {
+      [](const void* storage, std::coroutine_handle<> h) noexcept {
         S* target = *static_cast<S* const*>(storage);
         target->post(h);
       },
@@ -57,9 +91,10 @@ class any_scheduler {
   any_scheduler() noexcept = default;
 
   // Holds a copy of `s`, like the standard's scheduler handles.
-  template <scheduler S>
+  template <detail::has_post S>
     requires(!std::same_as<std::remove_cvref_t<S>, any_scheduler>)
   explicit any_scheduler(S s) noexcept {
+    static_assert(detail::check_scheduler<S>());
     static_assert(sizeof(S) <= inline_capacity && alignof(S) <= alignof(std::max_align_t),
                   "ferry: a scheduler returned by value must fit in four pointers; return a "
                   "reference from get_scheduler() instead");
@@ -70,8 +105,9 @@ class any_scheduler {
   }
 
   // Refers to `s`, which must outlive every coroutine that resumes through it.
-  template <scheduler S>
+  template <detail::has_post S>
   [[nodiscard]] static any_scheduler reference(S& s) noexcept {
+    static_assert(detail::check_scheduler<S>());
     any_scheduler a;
     S* p = &s;
     ::new (static_cast<void*>(a.storage_)) S*(p);
@@ -94,7 +130,7 @@ class any_scheduler {
 
   ~any_scheduler() { reset(); }
 
-  void post(std::coroutine_handle<> h) const { ops_->post(storage_, h); }
+  void post(std::coroutine_handle<> h) const noexcept { ops_->post(storage_, h); }
 
   [[nodiscard]] explicit operator bool() const noexcept { return ops_ != nullptr; }
 
@@ -110,10 +146,12 @@ class any_scheduler {
 
 namespace detail {
 
+// A promise that names a scheduler; whether its post() is noexcept is checked where it is used, so
+// that a throwing post() gets its own message rather than "the promise has no get_scheduler()".
 template <class P>
 concept promise_with_scheduler = requires(P& p) {
   { p.get_scheduler() };
-  requires scheduler<std::remove_cvref_t<decltype(p.get_scheduler())>>;
+  requires has_post<std::remove_cvref_t<decltype(p.get_scheduler())>>;
 };
 
 // The scheduler a promise names: a value is copied, an lvalue reference is referred to.
@@ -172,8 +210,9 @@ concept scheduled_awaiter = requires(A& a, std::coroutine_handle<> h, any_schedu
 
 // co_await resume_on(s, awaitable): awaits a ferry awaitable (a transfer, a when_all, a task) and
 // resumes on `s`, whatever the awaiting coroutine's promise says.
-template <scheduler S, class Awaitable>
+template <detail::has_post S, class Awaitable>
 class resume_on_awaitable {
+  static_assert(detail::check_scheduler<S>());
   using stored = std::conditional_t<std::is_lvalue_reference_v<Awaitable>, Awaitable,
                                     std::remove_cvref_t<Awaitable>>;
   using inner_awaiter = std::remove_cvref_t<decltype(detail::get_awaiter(std::declval<stored>()))>;
@@ -214,7 +253,7 @@ class resume_on_awaitable {
   stored awaitable_;
 };
 
-template <scheduler S, class Awaitable>
+template <detail::has_post S, class Awaitable>
 [[nodiscard]] resume_on_awaitable<S, Awaitable> resume_on(S& s, Awaitable&& awaitable) {
   return resume_on_awaitable<S, Awaitable>(s, std::forward<Awaitable>(awaitable));
 }

@@ -4,7 +4,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <coroutine>
 #include <memory>
+#include <new>
 #include <random>
 #include <thread>
 #include <vector>
@@ -271,5 +273,105 @@ TEST_CASE("run_loop: the loop may be destroyed as soon as run() returns to a sto
     loop->run();
     loop.reset();
     stopper.join();
+  }
+}
+
+// post() never throws: a ring that cannot grow (no memory) neither loses work nor runs it on a
+// thread it does not belong to (issue 23, item 4).
+
+namespace {
+
+// While set on a thread, that thread's nothrow array allocations fail, as they would with no memory
+// left. run_loop grows its ring with new (std::nothrow) T[n].
+thread_local bool refuse_nothrow_arrays = false;
+
+// A coroutine that, when resumed, records the thread it runs on, then stays suspended until the test
+// destroys it.
+struct recorder {
+  struct promise_type {
+    std::thread::id* ran_on = nullptr;
+    int* runs = nullptr;
+    recorder get_return_object() noexcept {
+      return {std::coroutine_handle<promise_type>::from_promise(*this)};
+    }
+    std::suspend_always initial_suspend() noexcept { return {}; }
+    std::suspend_always final_suspend() noexcept { return {}; }
+    void return_void() noexcept {}
+    void unhandled_exception() noexcept { std::terminate(); }
+  };
+  std::coroutine_handle<promise_type> handle;
+};
+
+recorder record(std::thread::id& ran_on, int& runs) {
+  ran_on = std::this_thread::get_id();
+  ++runs;
+  co_return;
+}
+
+struct recorded {
+  std::vector<std::thread::id> ran_on;
+  std::vector<int> runs;
+  std::vector<recorder> coroutines;
+
+  explicit recorded(std::size_t n) : ran_on(n), runs(n, 0) {
+    for (std::size_t i = 0; i < n; ++i) coroutines.push_back(record(ran_on[i], runs[i]));
+  }
+  ~recorded() {
+    for (recorder& r : coroutines) r.handle.destroy();
+  }
+};
+
+}  // namespace
+
+// Otherwise as the standard's: the plain operator new[], its failure turned into nullptr (so that
+// what it returns is freed by the plain operator delete[]).
+void* operator new[](std::size_t size, const std::nothrow_t&) noexcept {
+  if (refuse_nothrow_arrays) return nullptr;
+  try {
+    return ::operator new[](size);
+  } catch (...) {
+    return nullptr;
+  }
+}
+
+TEST_CASE("run_loop: a post on the loop's own thread to a ring that cannot grow runs the oldest "
+          "item there", "[run_loop][regression]") {
+  ferry::run_loop loop;
+  loop.poll();  // this thread runs the loop
+  const std::size_t capacity = loop.capacity();
+  recorded work(capacity + 10);
+  refuse_nothrow_arrays = true;
+  for (recorder& r : work.coroutines) loop.post(r.handle);
+  refuse_nothrow_arrays = false;
+  CHECK(loop.capacity() == capacity);  // it could not grow
+  CHECK(loop.size() == capacity);      // full: the ten oldest ran inside post()
+  loop.poll();
+  for (std::size_t i = 0; i < work.runs.size(); ++i) {
+    CHECK(work.runs[i] == 1);
+    CHECK(work.ran_on[i] == std::this_thread::get_id());
+  }
+}
+
+TEST_CASE("run_loop: a post from another thread to a ring that cannot grow waits for the loop",
+          "[run_loop][concurrency][regression]") {
+  ferry::run_loop loop;
+  loop.poll();  // this thread runs the loop
+  const std::size_t capacity = loop.capacity();
+  recorded work(capacity * 3);
+  std::atomic<bool> posted{false};
+  std::thread poster([&] {
+    refuse_nothrow_arrays = true;
+    for (recorder& r : work.coroutines) loop.post(r.handle);
+    posted.store(true);
+  });
+  // The poster fills the ring, then waits for this thread to take items; everything runs here.
+  std::size_t ran = 0;
+  while (!posted.load() || loop.size() != 0) ran += loop.poll();
+  poster.join();
+  CHECK(ran == work.coroutines.size());
+  CHECK(loop.capacity() == capacity);
+  for (std::size_t i = 0; i < work.runs.size(); ++i) {
+    CHECK(work.runs[i] == 1);
+    CHECK(work.ran_on[i] == std::this_thread::get_id());
   }
 }

@@ -19,7 +19,7 @@ namespace {
 // each awaiter like the standard's scheduler handles.
 struct loop_handle {
   ferry::run_loop* loop;
-  void post(std::coroutine_handle<> h) const { loop->post(h); }
+  void post(std::coroutine_handle<> h) const noexcept { loop->post(h); }
 };
 
 // A user's own task type whose promise names its scheduler by value.
