@@ -4,10 +4,13 @@
 #include <catch2/catch.hpp>
 
 #include <chrono>
+#include <functional>
 #include <optional>
 #include <vector>
 
 #include <ferry/post.hpp>
+#include <ferry/run_loop.hpp>
+#include <ferry/task.hpp>
 
 #include "helpers.hpp"
 
@@ -74,4 +77,50 @@ TEST_CASE("post_with_backoff: zero or negative pauses neither overflow nor spin 
   CHECK(t.error() == ferry::errc::submission_queue_full);
   CHECK(ms_since(start) < 10'000);
   CHECK(tries < 100'000);  // it paused between tries, not spun
+}
+
+namespace {
+
+using submit_fn = std::function<std::optional<ferry::transfer>()>;
+
+// A free function: g++ 12 rejects some coroutine lambdas.
+ferry::task<void> post_into(ferry::transfer& out, submit_fn submit,
+                            std::chrono::milliseconds budget) {
+  out = co_await ferry::post_with_backoff_async(std::move(submit), clock_type::now() + budget,
+                                                ferry::backoff_options{1ms, 4ms});
+}
+
+detached count_when_run(ferry::run_loop& loop, int& ran) {
+  co_await hop{loop};
+  ++ran;
+}
+
+}  // namespace
+
+TEST_CASE("post_with_backoff_async pauses on a timer: the awaiting thread runs other work meanwhile",
+          "[post][concurrency]") {
+  ferry::run_loop engine;  // driven by this thread through sync_wait
+  int other_work_ran = 0;
+  int ran_when_taken = -1;
+  int tries = 0;
+  ferry::transfer t;
+  const submit_fn submit = [&]() -> std::optional<ferry::transfer> {
+    if (++tries == 1) count_when_run(engine, other_work_ran);
+    if (tries < 3) return std::nullopt;
+    ran_when_taken = other_work_ran;
+    return ferry::make_completed_transfer(transfer_state::success);
+  };
+  ferry::sync_wait(engine, post_into(t, submit, hang_bound));
+  CHECK(tries == 3);
+  CHECK(ran_when_taken == 1);  // the thread was not asleep in a pause
+  CHECK(t.state() == transfer_state::success);
+}
+
+TEST_CASE("post_with_backoff_async fails with submission_queue_full at its deadline", "[post]") {
+  ferry::run_loop engine;
+  ferry::transfer t;
+  const auto start = clock_type::now();
+  ferry::sync_wait(engine, post_into(t, [] { return std::optional<ferry::transfer>{}; }, 20ms));
+  CHECK(ms_since(start) < 5000);
+  CHECK(t.error() == ferry::errc::submission_queue_full);
 }

@@ -6,9 +6,11 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <queue>
 #include <thread>
 #include <vector>
@@ -20,6 +22,7 @@
 #include "helpers.hpp"
 
 using namespace ferry_test;
+using namespace std::chrono_literals;
 using ferry::transfer_state;
 using ferry::verdict;
 namespace kv = ferry::kv;
@@ -42,6 +45,41 @@ struct release_log {
 std::vector<kv::block_id> blocks(std::initializer_list<kv::block_id> b) { return b; }
 
 const auto failure = make_error_code(std::errc::connection_reset);
+
+// A backend whose transfers never complete on their own; cancel(t) ends one, as cancelled (the
+// backend confirms it will not touch the buffer again), and counts the asks.
+struct never_completing_backend {
+  std::map<const void*, ferry::completer> completers;
+  int cancels = 0;
+  bool honours_cancel = true;
+
+  ferry::transfer start() {
+    auto [t, c] = ferry::make_manual_transfer();
+    completers.emplace(t.status(), std::move(c));
+    return t;
+  }
+  kv::load_tracker::cancel_fn cancel_fn() {
+    return [this](const ferry::transfer& t) {
+      ++cancels;
+      if (honours_cancel) completers.at(t.status()).cancel();
+    };
+  }
+};
+
+
+using submit_fn = std::function<std::optional<ferry::transfer>()>;
+
+// A coroutine of the engine's: awaits one post_async. (A free function: g++ 12 rejects some
+// coroutine lambdas.)
+ferry::task<void> load(kv::load_tracker& tracker, kv::load_tracker::request_handle h,
+                       std::size_t layer, std::vector<kv::block_id> destination, submit_fn submit) {
+  co_await tracker.post_async(h, layer, std::move(destination), std::move(submit));
+}
+
+detached count_when_run(ferry::run_loop& loop, int& ran) {
+  co_await hop{loop};
+  ++ran;
+}
 
 }  // namespace
 // 1.
@@ -767,4 +805,133 @@ TEST_CASE("kv: a layer wait from the previous step still sees its own transfers 
   REQUIRE(wait_until([&] { return result.load() != -1 && stepped.load(); }));
   CHECK(result.load() == static_cast<int>(verdict::timed_out));  // its transfer is still pending
   c.succeed();
+}
+
+// The two blocking paths (issue 23, item 5): a request past its abort_timeout whose last transfer
+// never completes on its own, and posting into a full queue without sleeping the engine thread.
+
+TEST_CASE("kv: a timed-out request whose last transfer never completes is cancelled, its blocks "
+          "reported once and the request released", "[kv][regression]") {
+  never_completing_backend backend;
+  std::vector<kv::request_id> released;
+  kv::load_tracker tracker([&](kv::request_id id, request_verdict) { released.push_back(id); },
+                           backend.cancel_fn());
+  const auto now = kv::clock::now();
+  auto h = tracker.add_request(7, kv::request_options{.abort_timeout = 1ms}, now - 1s);
+  tracker.add(h, 0, ferry::make_completed_transfer(transfer_state::success), blocks({1}));
+  tracker.add(h, 1, backend.start(), blocks({2, 3}));
+  tracker.seal(h);
+  CHECK(tracker.verdict(7, now) == request_verdict::timed_out);
+  CHECK(backend.cancels == 0);  // asking for a verdict changes nothing
+  // The first call finds it timed out and asks its backend to end what is pending.
+  CHECK(tracker.take_finished(now).empty());
+  CHECK(backend.cancels == 1);
+  // Once that has ended (cancelled), the request is let go of: released once, blocks reported once.
+  CHECK(tracker.drain_failed_blocks() == blocks({2, 3}));
+  const auto done = tracker.take_finished(now);
+  REQUIRE(done.size() == 1);
+  CHECK(done[0].id == 7);
+  CHECK(done[0].verdict == request_verdict::failed);
+  CHECK(done[0].error == ferry::errc::cancelled);
+  CHECK(released == std::vector<kv::request_id>{7});
+  CHECK(tracker.tracked() == 0);
+  CHECK(tracker.drain_failed_blocks().empty());
+  CHECK(backend.cancels == 1);
+}
+
+TEST_CASE("kv: a timed-out request's cancel is asked once, however often the tracker is asked",
+          "[kv]") {
+  never_completing_backend backend;
+  backend.honours_cancel = false;  // best effort: this backend cannot end it
+  kv::load_tracker tracker({}, backend.cancel_fn());
+  const auto now = kv::clock::now();
+  auto h = tracker.add_request(1, kv::request_options{.abort_timeout = 1ms}, now - 1s);
+  tracker.add(h, 0, backend.start(), blocks({1}));
+  tracker.add(h, 0, backend.start(), blocks({2}));
+  tracker.seal(h);
+  for (int i = 0; i < 5; ++i) CHECK(tracker.take_finished(now).empty());
+  CHECK(backend.cancels == 2);  // each pending transfer once
+  CHECK(tracker.tracks(1));     // still in flight: never released while it may write
+}
+
+TEST_CASE("kv: a hybrid request that times out raises and cancels nothing until it is aborted",
+          "[kv]") {
+  never_completing_backend backend;
+  std::vector<kv::request_id> released;
+  kv::load_tracker tracker([&](kv::request_id id, request_verdict) { released.push_back(id); },
+                           backend.cancel_fn());
+  const auto now = kv::clock::now();
+  auto h = tracker.add_request(3, kv::request_options{.hybrid = true, .abort_timeout = 1ms},
+                               now - 1s);
+  tracker.add(h, 0, backend.start(), blocks({5}));
+  tracker.seal(h);
+  CHECK_THROWS_AS(tracker.take_finished(now), kv::transfer_error);
+  CHECK(backend.cancels == 0);  // nothing changed
+  tracker.abort_request(3);
+  CHECK(backend.cancels == 1);
+  const auto done = tracker.take_finished(now);
+  REQUIRE(done.size() == 1);
+  CHECK(done[0].aborted);
+  CHECK(released == std::vector<kv::request_id>{3});
+  CHECK(tracker.drain_failed_blocks().empty());  // hybrid and aborted: none reported
+}
+
+TEST_CASE("kv: post gives up on a full queue at its admission deadline, not the request's",
+          "[kv][regression]") {
+  kv::load_tracker tracker;
+  auto h = tracker.add_request(
+      1, kv::request_options{.abort_timeout = 60s, .admission_timeout = 20ms});
+  int attempts = 0;
+  const auto start = clock_type::now();
+  tracker.post(h, 0, blocks({1}), [&]() -> std::optional<ferry::transfer> {
+    ++attempts;
+    return std::nullopt;
+  });
+  CHECK(ms_since(start) < 5000);  // did not wait for the request's 60 s
+  CHECK(attempts > 1);
+  tracker.seal(h);
+  REQUIRE(tracker.layer_transfers(0).size() == 1);
+  CHECK(tracker.layer_transfers(0)[0].error() == ferry::errc::submission_queue_full);
+}
+
+TEST_CASE("kv: post_async backs off on a timer while the engine thread runs other work",
+          "[kv][concurrency]") {
+  kv::load_tracker tracker;
+  ferry::run_loop engine;  // driven by this thread through sync_wait
+  int other_work_ran = 0;
+  int ran_before_admitted = -1;
+  SECTION("the queue frees up") {
+    auto h = tracker.add_request(1, kv::request_options{.admission_timeout = 5s});
+    int attempts = 0;
+    const submit_fn submit = [&]() -> std::optional<ferry::transfer> {
+      // Work the engine thread must run while the post waits for room.
+      if (++attempts == 1) count_when_run(engine, other_work_ran);
+      if (attempts < 4) return std::nullopt;
+      ran_before_admitted = other_work_ran;
+      return ferry::make_completed_transfer(transfer_state::success);
+    };
+    ferry::sync_wait(engine, load(tracker, h, 2, blocks({10, 11}), submit));
+    CHECK(attempts == 4);
+    CHECK(ran_before_admitted == 1);  // the thread was not asleep inside the post
+    tracker.seal(h);
+    CHECK(tracker.layer_transfers(2).size() == 1);
+    CHECK(tracker.verdict(1) == request_verdict::success);
+  }
+  SECTION("the queue stays full: an ordinary failed transfer at the admission deadline") {
+    auto h = tracker.add_request(2, kv::request_options{.admission_timeout = 20ms});
+    const auto start = clock_type::now();
+    ferry::sync_wait(engine, load(tracker, h, 0, blocks({20}), [] {
+                       return std::optional<ferry::transfer>{};
+                     }));
+    CHECK(ms_since(start) < 5000);
+    tracker.seal(h);
+    CHECK(tracker.verdict(2) == request_verdict::failed);
+    CHECK(tracker.drain_failed_blocks() == blocks({20}));
+  }
+}
+
+TEST_CASE("kv: bad admission timeouts are refused with a message naming the request", "[kv]") {
+  kv::load_tracker tracker;
+  CHECK_THROWS_WITH(tracker.add_request(9, kv::request_options{.admission_timeout = -1ms}),
+                    Catch::Contains("request 9") && Catch::Contains("admission_timeout"));
 }

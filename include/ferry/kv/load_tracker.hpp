@@ -36,6 +36,8 @@
 #include "ferry/errors.hpp"
 #include "ferry/kv/errors.hpp"
 #include "ferry/kv/post.hpp"
+#include "ferry/post.hpp"
+#include "ferry/task.hpp"
 #include "ferry/transfer.hpp"
 #include "ferry/wait_all.hpp"
 #include "ferry/when_all.hpp"
@@ -63,8 +65,13 @@ struct request_options {
   // recomputing a prefix, so it raises transfer_error rather than reporting blocks.
   bool hybrid = false;
   // A request whose age is strictly greater than this, with transfers still pending and none
-  // failed, has timed out.
+  // failed, has timed out. take_finished then asks the backend to cancel its pending transfers
+  // (load_tracker's cancel function), so that they end and the request can be let go of.
   std::chrono::nanoseconds abort_timeout = std::chrono::seconds(60);
+  // How long post() and post_async() retry a backend whose submission queue is full before the
+  // transfer fails with errc::submission_queue_full (never past the request's abort_timeout). The
+  // blocking post() holds the engine thread that long at most.
+  std::chrono::nanoseconds admission_timeout = std::chrono::milliseconds(10);
 };
 
 // A hybrid request's load failed or timed out. Nothing was changed when it was raised.
@@ -123,6 +130,10 @@ class load_tracker {
   // called from take_finished, exactly once per request, when every transfer of the request is
   // terminal.
   using release_fn = std::function<void(request_id, request_verdict)>;
+  // cancel(t) asks the backend that made `t` to end it (best effort: ring::cancel, a queue pair's
+  // close, ...): called once for each transfer still pending when its request has timed out or is
+  // aborted. Without one, such transfers end only when their backend ends them.
+  using cancel_fn = std::function<void(const transfer&)>;
 
   // A request being registered, as returned by add_request.
   class request_handle {
@@ -141,7 +152,8 @@ class load_tracker {
   // Layers are numbered from 0 up to this (a model has tens to hundreds).
   static constexpr std::size_t max_layers = std::size_t{1} << 20;
 
-  explicit load_tracker(release_fn release = {}) : release_(std::move(release)) {}
+  explicit load_tracker(release_fn release = {}, cancel_fn cancel = {})
+      : release_(std::move(release)), cancel_(std::move(cancel)) {}
 
   // --- Registration ---
 
@@ -161,6 +173,10 @@ class load_tracker {
     if (options.abort_timeout < std::chrono::nanoseconds::zero()) {
       throw std::invalid_argument("ferry::kv::load_tracker: request " + std::to_string(id) +
                                   " has a negative abort_timeout");
+    }
+    if (options.admission_timeout < std::chrono::nanoseconds::zero()) {
+      throw std::invalid_argument("ferry::kv::load_tracker: request " + std::to_string(id) +
+                                  " has a negative admission_timeout");
     }
     if (index_.contains(id)) {
       throw std::invalid_argument("ferry::kv::load_tracker: request " + std::to_string(id) +
@@ -182,6 +198,7 @@ class load_tracker {
     r.live = true;
     r.sealed = false;
     r.aborted = false;
+    r.cancel_asked = false;
     r.members.clear();
     r.blocks.clear();
     r.reported_blocks.clear();
@@ -197,25 +214,56 @@ class load_tracker {
   }
 
   // Posts through `submit` and registers the result. `submit()` returns a transfer, or nullopt when
-  // the backend's submission queue is full; then it is retried with exponential backoff until the
-  // request's deadline (created + abort_timeout), after which an already-failed transfer
-  // (errc::submission_queue_full) is registered and takes the ordinary failure path. The room for
-  // the transfer is made before `submit` runs, so `submit` must not call back into the tracker
-  // (such a call fails with std::logic_error).
+  // the backend's submission queue is full; then it is retried with exponential backoff, the
+  // calling thread sleeping through the pauses, until the request's admission deadline (now +
+  // admission_timeout, and never past created + abort_timeout), after which an already-failed
+  // transfer (errc::submission_queue_full) is registered and takes the ordinary failure path. The
+  // room for the transfer is made before `submit` runs, so `submit` must not call back into the
+  // tracker (such a call fails with std::logic_error). An engine thread with a scheduler awaits
+  // post_async instead, which never sleeps.
   template <class Submit>
   void post(request_handle h, std::size_t layer, std::span<const block_id> destination,
             Submit&& submit) {
     // Checked, and room made, before submitting: a transfer never goes out that the tracker cannot
     // track, and registering it cannot fail.
     request_entry& r = make_room(h, layer, destination.size(), "post");
-    const auto left = std::chrono::duration_cast<clock::duration>(r.options.abort_timeout);
-    const clock::time_point deadline =
-        r.created > clock::time_point::max() - left ? clock::time_point::max() : r.created + left;
+    const clock::time_point deadline = admission_deadline(r);
     transfer t = [&] {
       const submitting in_submit(submitting_);
       return post_with_backoff(std::forward<Submit>(submit), deadline);
     }();
     commit(r, layer, std::move(t), destination);
+  }
+
+  // co_await tracker.post_async(h, layer, destination, submit): the same, awaited. Between tries it
+  // pauses on a timer and goes on on the awaiting coroutine's scheduler, so the engine thread runs
+  // other work meanwhile. Room is made before each try, and what a try submits is registered before
+  // anything else runs; seal the request only once every post_async on it has ended. `destination`
+  // is copied: the task may outlive the caller's span.
+  template <class Submit>
+  [[nodiscard]] task<void> post_async(request_handle h, std::size_t layer,
+                                      std::vector<block_id> destination, Submit submit) {
+    const clock::time_point deadline = admission_deadline(make_room(h, layer, destination.size(),
+                                                                    "post_async"));
+    detail::backoff pauses(deadline, backoff_options{});
+    for (;;) {
+      // Looked up again after every pause: the engine may have added requests meanwhile.
+      request_entry& r = make_room(h, layer, destination.size(), "post_async");
+      std::optional<transfer> t;
+      {
+        const submitting in_submit(submitting_);
+        t = submit();
+      }
+      if (!t) {
+        if (const std::optional<std::chrono::nanoseconds> pause = pauses.next()) {
+          co_await detail::pause_awaitable(*pause);
+          continue;
+        }
+        t = detail::queue_stayed_full();
+      }
+      commit(r, layer, std::move(*t), destination);
+      co_return;
+    }
   }
 
   // Every transfer of the request has been added: only now can it be done.
@@ -226,11 +274,13 @@ class load_tracker {
 
   // The engine gives up on the request (after a transfer_error, for one): it no longer raises, its
   // blocks are not reported, and it is released once every transfer is terminal.
+  // Its pending transfers are cancelled through the cancel function, if the tracker has one.
   void abort_request(request_id id) {
     not_from_submit("abort_request");
     request_entry& r = requests_[lookup(id, "abort_request")];
     r.aborted = true;
     r.sealed = true;
+    cancel_pending(r);
   }
 
   // --- Questions ---
@@ -307,13 +357,21 @@ class load_tracker {
     not_from_submit("take_finished");
     // First look at everything, so that a raise leaves the tracker exactly as it was.
     finished_scratch_.clear();
+    timed_out_scratch_.clear();
     for (std::uint32_t slot = 0; slot < requests_.size(); ++slot) {
       const request_entry& r = requests_[slot];
       if (!r.live || !r.sealed) continue;
       const assessment a = assess(r, now);
       raise_if_hybrid(r, a);
       if (a.pending == 0) finished_scratch_.push_back({slot, a});
+      if (a.verdict == request_verdict::timed_out && !r.cancel_asked) {
+        timed_out_scratch_.push_back(slot);
+      }
     }
+    // Nothing raised: timed-out requests' pending transfers are asked to end (once per request),
+    // so that they are let go of, and their blocks reported, once their backend has ended them (a
+    // later call hands them back).
+    for (const std::uint32_t slot : timed_out_scratch_) cancel_pending(requests_[slot]);
     // Requests let go of by a call whose release threw come first: that call returned nothing.
     std::vector<finished_request> out = std::move(not_handed_back_);
     not_handed_back_.clear();
@@ -378,6 +436,7 @@ class load_tracker {
     bool live = false;
     bool sealed = false;
     bool aborted = false;
+    bool cancel_asked = false;  // its pending transfers were handed to cancel_ once
     std::uint64_t generation = 0;
     std::vector<member> members;
     std::vector<block_id> blocks;
@@ -391,6 +450,26 @@ class load_tracker {
     std::error_code error;
     std::optional<std::size_t> first_pending;
   };
+
+  // Now + admission_timeout, never past created + abort_timeout (saturating).
+  static clock::time_point admission_deadline(const request_entry& r) noexcept {
+    const clock::time_point now = clock::now();
+    const auto admit = std::chrono::duration_cast<clock::duration>(r.options.admission_timeout);
+    const auto left = std::chrono::duration_cast<clock::duration>(r.options.abort_timeout);
+    const clock::time_point admitted = now > clock::time_point::max() - admit ? clock::time_point::max()
+                                                                               : now + admit;
+    const clock::time_point abort =
+        r.created > clock::time_point::max() - left ? clock::time_point::max() : r.created + left;
+    return std::min(admitted, abort);
+  }
+
+  void cancel_pending(request_entry& r) {
+    if (!cancel_ || r.cancel_asked) return;
+    r.cancel_asked = true;
+    for (const member& m : r.members) {
+      if (m.t.state() == transfer_state::pending) cancel_(m.t);
+    }
+  }
 
   // The checks and allocations of registering one transfer, so that commit() cannot fail.
   request_entry& make_room(request_handle h, std::size_t layer, std::size_t blocks,
@@ -567,6 +646,7 @@ class load_tracker {
   }
 
   release_fn release_;
+  cancel_fn cancel_;
   std::vector<request_entry> requests_;
   std::vector<std::uint32_t> free_slots_;
   std::unordered_map<request_id, std::uint32_t> index_;
@@ -575,6 +655,7 @@ class load_tracker {
   std::uint64_t generations_ = 0;
   std::vector<block_id> unclaimed_blocks_;  // from requests finished before their blocks were drained
   std::vector<std::pair<std::uint32_t, assessment>> finished_scratch_;
+  std::vector<std::uint32_t> timed_out_scratch_;
   std::vector<finished_request> not_handed_back_;  // let go of by a take_finished whose release threw
   bool submitting_ = false;
 };

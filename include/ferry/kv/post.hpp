@@ -7,5 +7,6 @@ namespace ferry::kv {
 
 using ferry::backoff_options;
 using ferry::post_with_backoff;
+using ferry::post_with_backoff_async;
 
 }  // namespace ferry::kv
