@@ -74,3 +74,46 @@ TEST_CASE("uring: cancelling a read on a pipe that never becomes readable", "[ur
     CHECK(manual.state() == transfer_state::pending);
   }
 }
+
+TEST_CASE("uring: a cancelled stream read that already took bytes says how many, never plain "
+          "cancelled", "[uring][concurrency][regression]") {
+  // Issue 23, item 3: the pipe gives 5 bytes, ferry goes on reading for the rest, then cancel().
+  FERRY_REQUIRE_URING();
+  ferry::progress_executor exec;
+  uring::ring r(exec);
+  int p[2];
+  REQUIRE(::pipe2(p, O_CLOEXEC) == 0);
+  fd_guard rd(p[0]), wr(p[1]);
+  std::vector<std::byte> buf(4096);
+  std::size_t transferred = 12345;
+  ferry::transfer t = r.read(rd.get(), buf, uring::current_position, &transferred);
+  REQUIRE(::write(wr.get(), "hello", 5) == 5);
+  // The read has taken the 5 bytes and waits for the rest.
+  REQUIRE(wait_until([&] { return r.counters().resubmitted >= 1; }));
+  CHECK(t.state() == transfer_state::pending);
+  r.cancel(t);
+  REQUIRE(t.wait_for(hang_bound) == transfer_state::failed);
+  CHECK(t.error() == uring::errc::cancelled_part_way);
+  CHECK(transferred == 5);
+  CHECK(std::memcmp(buf.data(), "hello", 5) == 0);
+}
+
+TEST_CASE("uring: a read or write reports the bytes it moved", "[uring]") {
+  FERRY_REQUIRE_URING();
+  ferry::progress_executor exec;
+  uring::ring r(exec);
+  int p[2];
+  REQUIRE(::pipe2(p, O_CLOEXEC) == 0);
+  fd_guard rd(p[0]), wr(p[1]);
+  const std::vector<std::byte> out(100, std::byte{7});
+  std::vector<std::byte> in(100);
+  std::size_t written = 0;
+  std::size_t read = 0;
+  ferry::transfer w = r.write(wr.get(), out, uring::current_position, &written);
+  REQUIRE(w.wait_for(hang_bound) == transfer_state::success);
+  CHECK(written == 100);
+  ferry::transfer rt = r.read(rd.get(), in, uring::current_position, &read);
+  REQUIRE(rt.wait_for(hang_bound) == transfer_state::success);
+  CHECK(read == 100);
+  CHECK(in == out);
+}

@@ -17,6 +17,7 @@ enum class errc : int {
   connection_broken,
   block_too_large,
   bad_frame,
+  cancelled_part_way,
 };
 
 [[nodiscard]] constexpr const char* describe(errc e) noexcept {
@@ -36,6 +37,10 @@ enum class errc : int {
     case errc::block_too_large: return "received block is larger than the destination buffer";
     case errc::bad_frame:
       return "received bytes are not a ferry block header (the peer is not speaking ferry's framing)";
+    case errc::cancelled_part_way:
+      return "cancelled after part of the data had been read or written: those bytes left (or "
+             "reached) the file or stream and the rest did not, so a stream read at its current "
+             "position has lost them (the transferred count says how many)";
   }
   return nullptr;
 }

@@ -189,44 +189,54 @@ class ring {
     detail::close_ring(e_);
   }
 
-  // Reads dst.size() bytes at `offset` (or current_position) into dst.
-  [[nodiscard]] transfer read(file_ref file, std::span<std::byte> dst, std::uint64_t offset) {
-    return detail::submit_io(e_, detail::read_handlers, file, dst.data(), dst.size(), offset, -1);
+  // Reads dst.size() bytes at `offset` (or current_position) into dst. `transferred`, if given, is
+  // set to the bytes that landed before the transfer ended (read it once the transfer is terminal).
+  // A cancel that takes effect before any byte moved ends the transfer cancelled; after some did,
+  // it fails with errc::cancelled_part_way, since a stream read at its current position has then
+  // lost those bytes.
+  [[nodiscard]] transfer read(file_ref file, std::span<std::byte> dst, std::uint64_t offset,
+                              std::size_t* transferred = nullptr) {
+    return detail::submit_io(e_, detail::read_handlers, file, dst.data(), dst.size(), offset, -1,
+                             transferred);
   }
 
   // The same through a registered buffer: dst must lie inside `registered.memory`.
   [[nodiscard]] transfer read(file_ref file, std::span<std::byte> dst, std::uint64_t offset,
-                              const fixed_buffer& registered) {
+                              const fixed_buffer& registered, std::size_t* transferred = nullptr) {
     if (const errc e = detail::check_registered(dst.data(), dst.size(), registered); e != errc{}) {
       return make_completed_transfer(transfer_state::failed, e);
     }
     return detail::submit_io(e_, detail::read_handlers, file, dst.data(), dst.size(), offset,
-                             static_cast<int>(registered.index));
+                             static_cast<int>(registered.index), transferred);
   }
 
-  [[nodiscard]] transfer write(file_ref file, std::span<const std::byte> src, std::uint64_t offset) {
+  // Writes src at `offset` (or current_position); `transferred` and a cancel as for read().
+  [[nodiscard]] transfer write(file_ref file, std::span<const std::byte> src, std::uint64_t offset,
+                               std::size_t* transferred = nullptr) {
     return detail::submit_io(e_, detail::write_handlers, file, const_cast<std::byte*>(src.data()),
-                             src.size(), offset, -1);
+                             src.size(), offset, -1, transferred);
   }
 
   [[nodiscard]] transfer write(file_ref file, std::span<const std::byte> src, std::uint64_t offset,
-                               const fixed_buffer& registered) {
+                               const fixed_buffer& registered, std::size_t* transferred = nullptr) {
     if (const errc e = detail::check_registered(src.data(), src.size(), registered); e != errc{}) {
       return make_completed_transfer(transfer_state::failed, e);
     }
     return detail::submit_io(e_, detail::write_handlers, file, const_cast<std::byte*>(src.data()),
-                             src.size(), offset, static_cast<int>(registered.index));
+                             src.size(), offset, static_cast<int>(registered.index), transferred);
   }
 
   // Scatter: fills the iovecs in order from `offset`, as one transfer. The iovec array (not only
   // the memory it points to) must stay valid until the transfer is terminal.
-  [[nodiscard]] transfer readv(file_ref file, std::span<const iovec> iov, std::uint64_t offset) {
-    return detail::submit_vectored(e_, detail::readv_handlers, file, iov, offset);
+  [[nodiscard]] transfer readv(file_ref file, std::span<const iovec> iov, std::uint64_t offset,
+                               std::size_t* transferred = nullptr) {
+    return detail::submit_vectored(e_, detail::readv_handlers, file, iov, offset, transferred);
   }
 
   // Gather: writes the iovecs in order from `offset`, as one transfer.
-  [[nodiscard]] transfer writev(file_ref file, std::span<const iovec> iov, std::uint64_t offset) {
-    return detail::submit_vectored(e_, detail::writev_handlers, file, iov, offset);
+  [[nodiscard]] transfer writev(file_ref file, std::span<const iovec> iov, std::uint64_t offset,
+                                std::size_t* transferred = nullptr) {
+    return detail::submit_vectored(e_, detail::writev_handlers, file, iov, offset, transferred);
   }
 
   // Many blocks at once, one transfer each (out[i] for blocks[i]), published with one CAS and

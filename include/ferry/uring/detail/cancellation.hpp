@@ -64,7 +64,7 @@ inline void cancel_group_frame(engine& e, connection_state* conn, unsigned i, op
 // the stream is out of step.
 inline void cancel_backlogged(engine& e, op* o) noexcept {
   connection_state* c = o->connection;
-  if (c == nullptr) return e.finish(o, transfer_state::cancelled, {});
+  if (c == nullptr) return e.finish_cancelled(o);  // a file's, perhaps between two parts
   if (o->kind == op_kind::send) {  // `o` leads the group
     o->frame_cancel = true;
     return end_send_group(e, c, true, {});

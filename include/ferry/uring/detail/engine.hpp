@@ -231,10 +231,21 @@ class engine : public admission {
   void finish(op* o, transfer_state to, std::error_code ec) noexcept {
     status_block* s = o->status;
     connection_state* c = o->connection;
+    // Written before complete() publishes the state (release), so a caller that sees the transfer
+    // terminal reads the count.
+    if (o->transferred != nullptr) *o->transferred = o->done;
     op::pool::release(o);
     s->complete(to, ec);
     s->release_completer_ref();
     if (c != nullptr) c->release();
+  }
+
+  // A cancel took effect. `cancelled` promises that nothing happened: a read or write that had
+  // already moved bytes (part of a stream consumed, part of a file written) fails instead, saying
+  // so, with the count in its `transferred`.
+  void finish_cancelled(op* o) noexcept {
+    if (o->done == 0) return finish(o, transfer_state::cancelled, {});
+    finish(o, transfer_state::failed, make_error_code(errc::cancelled_part_way));
   }
 
   // Never reached the kernel, and the ring is shutting down.

@@ -96,7 +96,7 @@ inline void advance(op* o, std::size_t n) noexcept {
 }
 
 inline void continue_partial(engine& e, op* o) noexcept {
-  if (o->cancel_requested) return e.finish(o, transfer_state::cancelled, {});
+  if (o->cancel_requested) return e.finish_cancelled(o);
   if (e.shutting_down_) {
     return e.finish(o, transfer_state::failed, make_error_code(ferry::errc::backend_shut_down));
   }
@@ -106,7 +106,7 @@ inline void continue_partial(engine& e, op* o) noexcept {
 
 inline void on_file_io(engine& e, op* o, int res) noexcept {
   if (res < 0) {
-    if (was_cancelled(o, res)) return e.finish(o, transfer_state::cancelled, {});
+    if (was_cancelled(o, res)) return e.finish_cancelled(o);
     if (res == -EINTR && !e.shutting_down_) return e.resume(o);
     return e.finish(o, transfer_state::failed, system_error_code(-res));
   }
@@ -131,7 +131,8 @@ inline constexpr op_handlers writev_handlers{op_kind::writev, start_on_arrival, 
 
 [[nodiscard]] inline transfer submit_io(engine& e, const op_handlers& kind, file_ref file,
                                         std::byte* buffer, std::size_t length,
-                                        std::uint64_t offset, int buffer_index) {
+                                        std::uint64_t offset, int buffer_index,
+                                        std::size_t* transferred) {
   if (length == 0) {
     return make_completed_transfer(transfer_state::failed, ferry::errc::empty_buffer);
   }
@@ -142,13 +143,15 @@ inline constexpr op_handlers writev_handlers{op_kind::writev, start_on_arrival, 
   o->length = length;
   o->offset = offset;
   o->buffer_index = buffer_index;
+  o->transferred = transferred;
   transfer t = engine::attach(o);
   e.publish(o, o);
   return t;
 }
 
 [[nodiscard]] inline transfer submit_vectored(engine& e, const op_handlers& kind, file_ref file,
-                                              std::span<const iovec> iov, std::uint64_t offset) {
+                                              std::span<const iovec> iov, std::uint64_t offset,
+                                              std::size_t* transferred) {
   if (iov.size() > UINT32_MAX) {
     return make_completed_transfer(transfer_state::failed, errc::vector_too_large);
   }
@@ -167,6 +170,7 @@ inline constexpr op_handlers writev_handlers{op_kind::writev, start_on_arrival, 
   o->iov_count = static_cast<std::uint32_t>(iov.size());
   o->length = total;
   o->offset = offset;
+  o->transferred = transferred;
   transfer t = engine::attach(o);
   e.publish(o, o);
   return t;

@@ -67,6 +67,7 @@ struct op_body {
   const iovec* iov = nullptr;
   connection_state* connection = nullptr;
   received_block* received = nullptr;
+  std::size_t* transferred = nullptr;  // a read or write's caller learns `done` here, when it ends
   op* target = nullptr;  // for a cancel: the operation it asks the kernel to cancel
   int (*call)(void*) noexcept = nullptr;  // a call: run on the executor thread, returns -errno or 0
   void* call_argument = nullptr;
