@@ -69,6 +69,11 @@ class [[nodiscard]] pause_awaitable {
   explicit pause_awaitable(std::chrono::nanoseconds d) noexcept : pause_(d) {}
   pause_awaitable(const pause_awaitable&) = delete;
   pause_awaitable& operator=(const pause_awaitable&) = delete;
+  // A coroutine destroyed while it pauses (before the deadline) takes its timer with it. (After
+  // the timer has fired, cancel finds nothing and this costs one lock.)
+  ~pause_awaitable() {
+    if (armed_) process_timers().cancel(node_);
+  }
 
   [[nodiscard]] bool await_ready() const noexcept { return pause_ <= std::chrono::nanoseconds(0); }
 
@@ -86,6 +91,7 @@ class [[nodiscard]] pause_awaitable {
     node_.fire = &fire;
     node_.deadline = deadline_after(pause_);
     process_timers().arm(node_);
+    armed_ = true;
     return true;
   }
 
@@ -103,6 +109,7 @@ class [[nodiscard]] pause_awaitable {
   }
 
   std::chrono::nanoseconds pause_;
+  bool armed_ = false;
   std::coroutine_handle<> continuation_;
   any_scheduler scheduler_;
   node node_;

@@ -18,10 +18,12 @@
 // a burst of completions posted to it while it wakes up costs one futex call, not one each.
 //
 // post() never throws (ferry's schedulers must not: see scheduler.hpp). The queue is a ring made
-// at construction and grown as work piles up; should growing fail for want of memory, a post on
-// the loop's own thread runs the oldest queued item there, at once, and a post from another thread
-// waits for the loop to take one. Either way nothing is lost and nothing runs on a thread it does
-// not belong to.
+// at construction and grown as work piles up. Should growing fail for want of memory: a post made
+// on the thread running the loop (inside run, run_one or poll) runs the oldest queued item there,
+// at once, in the middle of whatever called post; a post from another thread waits for the running
+// thread to take one; and a post while no thread runs the loop cannot be queued at all, so the
+// process ends with a message saying so. Nothing is lost, and nothing runs on a thread it does not
+// belong to.
 
 #include <algorithm>
 #include <atomic>
@@ -29,6 +31,8 @@
 #include <coroutine>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -91,12 +95,17 @@ class run_loop {
       }
       if (wake) detail::futex_wake_all(epoch_);
       if (queued) return;
-      // The ring is full and cannot grow. On the loop's own thread, the oldest item may run here
-      // (it belongs to this thread); elsewhere, wait for the loop to take one.
-      if (running_.load(std::memory_order_relaxed) == std::this_thread::get_id()) {
+      // The ring is full and cannot grow (see the top of this file).
+      const std::thread::id runner = running_.load(std::memory_order_acquire);
+      if (runner == std::this_thread::get_id()) {
         if (std::coroutine_handle<> oldest = pop()) oldest.resume();
-      } else {
+      } else if (runner != std::thread::id{}) {
         std::this_thread::yield();
+      } else {
+        std::fprintf(stderr,
+                     "ferry: run_loop::post: out of memory, the queue is full and no thread is "
+                     "running the loop to make room\n");
+        std::abort();
       }
     }
   }
@@ -109,6 +118,7 @@ class run_loop {
 
   // Runs posted work until stop(); the stop is consumed, so run() may be called again.
   void run() {
+    const running_here running(running_);
     while (run_one()) {
     }
   }
@@ -116,7 +126,7 @@ class run_loop {
   // Runs one posted item, sleeping until there is one. Returns false, without running anything, when
   // stop() ends the wait (the stop is consumed).
   bool run_one() {
-    running_.store(std::this_thread::get_id(), std::memory_order_relaxed);
+    const running_here running(running_);
     for (;;) {
       if (take_stop()) return false;
       if (std::coroutine_handle<> h = pop(); h) {
@@ -129,7 +139,7 @@ class run_loop {
 
   // Runs what is ready now, never sleeping; returns how many items ran.
   std::size_t poll() {
-    running_.store(std::this_thread::get_id(), std::memory_order_relaxed);
+    const running_here running(running_);
     std::size_t ran = 0;
     while (std::coroutine_handle<> h = pop()) {
       h.resume();
@@ -261,6 +271,22 @@ class run_loop {
     return h;
   }
 
+  // Marks the calling thread as the one running the loop while it is inside run, run_one or poll
+  // (nested calls restore what they found).
+  class running_here {
+   public:
+    explicit running_here(std::atomic<std::thread::id>& running) noexcept
+        : running_(running),
+          before_(running.exchange(std::this_thread::get_id(), std::memory_order_acq_rel)) {}
+    ~running_here() { running_.store(before_, std::memory_order_release); }
+    running_here(const running_here&) = delete;
+    running_here& operator=(const running_here&) = delete;
+
+   private:
+    std::atomic<std::thread::id>& running_;
+    std::thread::id before_;
+  };
+
   bool grow() noexcept {
     const std::size_t bigger = capacity_ * 2;
     std::unique_ptr<std::coroutine_handle<>[]> ring(
@@ -276,7 +302,7 @@ class run_loop {
   static constexpr std::size_t first_capacity = 64;  // a power of two, as every later size
 
   mutable detail::short_hold_mutex mutex_;
-  // The thread that last ran the loop (run, run_one or poll): a post from it may run queued work.
+  // The thread inside run, run_one or poll, if any: a post from it may run queued work.
   std::atomic<std::thread::id> running_{};
   std::unique_ptr<std::coroutine_handle<>[]> ring_;
   std::size_t capacity_ = 0;

@@ -334,18 +334,36 @@ void* operator new[](std::size_t size, const std::nothrow_t&) noexcept {
   }
 }
 
-TEST_CASE("run_loop: a post on the loop's own thread to a ring that cannot grow runs the oldest "
-          "item there", "[run_loop][regression]") {
+// Runs inside the loop (resumed by poll or run): posts every recorder while this thread's nothrow
+// array allocations fail, then notes how full the ring was left.
+recorder post_all_refused(ferry::run_loop& loop, std::vector<recorder>& work,
+                          std::size_t& size_after) {
+  refuse_nothrow_arrays = true;
+  for (recorder& r : work) loop.post(r.handle);
+  refuse_nothrow_arrays = false;
+  size_after = loop.size();
+  co_return;
+}
+
+// Resumed inside the loop: tells another thread that this one is running it.
+recorder say_running(std::atomic<bool>& running) {
+  running.store(true);
+  co_return;
+}
+
+TEST_CASE("run_loop: a post on the thread running the loop, to a ring that cannot grow, runs the "
+          "oldest item there", "[run_loop][regression]") {
   ferry::run_loop loop;
-  loop.poll();  // this thread runs the loop
   const std::size_t capacity = loop.capacity();
   recorded work(capacity + 10);
-  refuse_nothrow_arrays = true;
-  for (recorder& r : work.coroutines) loop.post(r.handle);
-  refuse_nothrow_arrays = false;
+  std::size_t size_after = 0;
+  recorder poster = post_all_refused(loop, work.coroutines, size_after);
+  loop.post(poster.handle);
+  loop.poll();  // runs the poster, whose posts run the ten oldest inline, then the rest
+  poster.handle.destroy();
+  CHECK(size_after == capacity);       // full: the ten oldest ran inside post()
   CHECK(loop.capacity() == capacity);  // it could not grow
-  CHECK(loop.size() == capacity);      // full: the ten oldest ran inside post()
-  loop.poll();
+  CHECK(loop.size() == 0);
   for (std::size_t i = 0; i < work.runs.size(); ++i) {
     CHECK(work.runs[i] == 1);
     CHECK(work.ran_on[i] == std::this_thread::get_id());
@@ -355,20 +373,22 @@ TEST_CASE("run_loop: a post on the loop's own thread to a ring that cannot grow 
 TEST_CASE("run_loop: a post from another thread to a ring that cannot grow waits for the loop",
           "[run_loop][concurrency][regression]") {
   ferry::run_loop loop;
-  loop.poll();  // this thread runs the loop
   const std::size_t capacity = loop.capacity();
   recorded work(capacity * 3);
-  std::atomic<bool> posted{false};
+  std::atomic<bool> running{false};
+  recorder announce = say_running(running);
+  loop.post(announce.handle);
   std::thread poster([&] {
+    while (!running.load()) std::this_thread::yield();  // this thread is inside run() now
     refuse_nothrow_arrays = true;
     for (recorder& r : work.coroutines) loop.post(r.handle);
-    posted.store(true);
+    loop.stop();
   });
   // The poster fills the ring, then waits for this thread to take items; everything runs here.
-  std::size_t ran = 0;
-  while (!posted.load() || loop.size() != 0) ran += loop.poll();
+  loop.run();
   poster.join();
-  CHECK(ran == work.coroutines.size());
+  loop.poll();  // what the stop left queued
+  announce.handle.destroy();
   CHECK(loop.capacity() == capacity);
   for (std::size_t i = 0; i < work.runs.size(); ++i) {
     CHECK(work.runs[i] == 1);

@@ -935,3 +935,38 @@ TEST_CASE("kv: bad admission timeouts are refused with a message naming the requ
   CHECK_THROWS_WITH(tracker.add_request(9, kv::request_options{.admission_timeout = -1ms}),
                     Catch::Contains("request 9") && Catch::Contains("admission_timeout"));
 }
+
+TEST_CASE("kv: a cancel function that throws still has every pending transfer asked, and the request "
+          "is released once they end", "[kv][regression]") {
+  // Found by a review: the first throw used to leave the other transfers never asked.
+  never_completing_backend backend;
+  int calls = 0;
+  kv::load_tracker tracker({}, [&](const ferry::transfer& t) {
+    ++calls;
+    backend.completers.at(t.status()).cancel();
+    if (calls == 1) throw std::runtime_error("cancel failed");
+  });
+  const auto now = kv::clock::now();
+  auto h = tracker.add_request(1, kv::request_options{.abort_timeout = 1ms}, now - 1s);
+  tracker.add(h, 0, backend.start(), blocks({1}));
+  tracker.add(h, 0, backend.start(), blocks({2}));
+  tracker.seal(h);
+  CHECK_THROWS_WITH(tracker.take_finished(now), "cancel failed");
+  CHECK(calls == 2);  // both asked despite the throw
+  const auto done = tracker.take_finished(now);
+  REQUIRE(done.size() == 1);
+  CHECK(calls == 2);
+}
+
+TEST_CASE("kv: a cancel function that calls back into the tracker is refused", "[kv]") {
+  never_completing_backend backend;
+  kv::load_tracker* self = nullptr;
+  kv::load_tracker tracker({}, [&](const ferry::transfer&) { (void)self->take_finished(); });
+  self = &tracker;
+  const auto now = kv::clock::now();
+  auto h = tracker.add_request(1, kv::request_options{.abort_timeout = 1ms}, now - 1s);
+  tracker.add(h, 0, backend.start(), blocks({1}));
+  tracker.seal(h);
+  CHECK_THROWS_AS(tracker.take_finished(now), std::logic_error);
+  CHECK(tracker.tracks(1));  // nothing released twice, nothing lost
+}

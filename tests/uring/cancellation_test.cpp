@@ -31,9 +31,8 @@ TEST_CASE("uring: cancelling a read on a pipe that never becomes readable", "[ur
   FERRY_REQUIRE_URING();
   ferry::progress_executor exec;
   uring::ring r(exec);
-  int p[2];
-  REQUIRE(::pipe2(p, O_CLOEXEC) == 0);
-  fd_guard rd(p[0]), wr(p[1]);
+  const one_pipe pipe;
+  const fd_guard &rd = pipe.rd, &wr = pipe.wr;
   std::vector<std::byte> buf(4096);
 
   SECTION("the transfer turns cancelled once the kernel confirms") {
@@ -81,9 +80,8 @@ TEST_CASE("uring: a cancelled stream read that already took bytes says how many,
   FERRY_REQUIRE_URING();
   ferry::progress_executor exec;
   uring::ring r(exec);
-  int p[2];
-  REQUIRE(::pipe2(p, O_CLOEXEC) == 0);
-  fd_guard rd(p[0]), wr(p[1]);
+  const one_pipe pipe;
+  const fd_guard &rd = pipe.rd, &wr = pipe.wr;
   std::vector<std::byte> buf(4096);
   std::size_t transferred = 12345;
   ferry::transfer t = r.read(rd.get(), buf, uring::current_position, &transferred);
@@ -102,9 +100,8 @@ TEST_CASE("uring: a read or write reports the bytes it moved", "[uring]") {
   FERRY_REQUIRE_URING();
   ferry::progress_executor exec;
   uring::ring r(exec);
-  int p[2];
-  REQUIRE(::pipe2(p, O_CLOEXEC) == 0);
-  fd_guard rd(p[0]), wr(p[1]);
+  const one_pipe pipe;
+  const fd_guard &rd = pipe.rd, &wr = pipe.wr;
   const std::vector<std::byte> out(100, std::byte{7});
   std::vector<std::byte> in(100);
   std::size_t written = 0;

@@ -295,9 +295,8 @@ TEST_CASE("uring: short reads and writes are continued for the remainder", "[uri
   FERRY_REQUIRE_URING();
   ferry::progress_executor exec;
   uring::ring r(exec);
-  int p[2];
-  REQUIRE(::pipe2(p, O_CLOEXEC) == 0);
-  fd_guard rd(p[0]), wr(p[1]);
+  const one_pipe pipe;
+  const fd_guard &rd = pipe.rd, &wr = pipe.wr;
   const auto data = byte_pattern(3000, 11);
   std::vector<std::byte> buf(data.size());
   ferry::transfer t = r.read(rd.get(), buf, uring::current_position);

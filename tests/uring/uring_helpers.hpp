@@ -79,6 +79,18 @@ class fd_guard {
   int fd_;
 };
 
+// One pipe, both ends closed with the object.
+struct one_pipe {
+  fd_guard rd;
+  fd_guard wr;
+  one_pipe() {
+    int p[2];
+    REQUIRE(::pipe2(p, O_CLOEXEC) == 0);
+    rd.reset(p[0]);
+    wr.reset(p[1]);
+  }
+};
+
 // `n` pipes, every end closed with the object (or earlier, by resetting its guard: a reader whose
 // writer is closed sees the end of the file).
 struct pipe_set {

@@ -119,3 +119,43 @@ TEST_CASE("verbs: connect racing the executor's break always ends broken", "[ver
     CHECK(l.load() == qp_state_kind::broken);
   }
 }
+
+TEST_CASE("verbs: connect and break in lockstep: the break is never lost, and exactly one wins its "
+          "move", "[verbs][concurrency][regression]") {
+  // Both threads meet before each round and start their transition together, so that the two
+  // CASes overlap far more often than with free-running threads. Break_off with its CASes swapped,
+  // or connect written as a check then a store, loses breaks here (found by a review).
+  constexpr int rounds = 20'000;
+  std::atomic<long> arrived{0};
+  const auto meet = [&arrived](long& generation) {
+    generation += 2;
+    arrived.fetch_add(1);
+    while (arrived.load() < generation) {
+    }
+  };
+  qp_lifecycle* l = new qp_lifecycle;
+  bool broke = false;
+  int lost = 0;
+  std::thread executor([&] {
+    long generation = 0;
+    for (int r = 0; r < rounds; ++r) {
+      meet(generation);
+      broke = l->break_off();
+      meet(generation);
+      meet(generation);
+    }
+  });
+  long generation = 0;
+  for (int r = 0; r < rounds; ++r) {
+    meet(generation);
+    (void)l->connect();  // wins or loses: either way the break must move the state
+    meet(generation);
+    if (!broke || l->load() != qp_state_kind::broken) ++lost;
+    delete l;
+    l = new qp_lifecycle;
+    meet(generation);
+  }
+  executor.join();
+  delete l;
+  CHECK(lost == 0);
+}

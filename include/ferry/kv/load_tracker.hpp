@@ -198,7 +198,6 @@ class load_tracker {
     r.live = true;
     r.sealed = false;
     r.aborted = false;
-    r.cancel_asked = false;
     r.members.clear();
     r.blocks.clear();
     r.reported_blocks.clear();
@@ -246,8 +245,11 @@ class load_tracker {
     const clock::time_point deadline = admission_deadline(make_room(h, layer, destination.size(),
                                                                     "post_async"));
     detail::backoff pauses(deadline, backoff_options{});
-    for (;;) {
-      // Looked up again after every pause: the engine may have added requests meanwhile.
+    for (bool paused = false;; paused = true) {
+      // Looked up again after every pause: the engine may have added requests meanwhile, or aborted
+      // this one (then the post ends here, submitting nothing; an aborted request may even have
+      // been let go of already).
+      if (paused && gone_or_aborted(h)) co_return;
       request_entry& r = make_room(h, layer, destination.size(), "post_async");
       std::optional<transfer> t;
       {
@@ -364,14 +366,19 @@ class load_tracker {
       const assessment a = assess(r, now);
       raise_if_hybrid(r, a);
       if (a.pending == 0) finished_scratch_.push_back({slot, a});
-      if (a.verdict == request_verdict::timed_out && !r.cancel_asked) {
-        timed_out_scratch_.push_back(slot);
+      if (a.verdict == request_verdict::timed_out) timed_out_scratch_.push_back(slot);
+    }
+    // Nothing raised: timed-out requests' pending transfers are asked to end (each once), so that
+    // they are let go of, and their blocks reported, once their backend has ended them (a later
+    // call hands them back). A cancel that throws is rethrown after the releases below.
+    std::exception_ptr cancel_error;
+    for (const std::uint32_t slot : timed_out_scratch_) {
+      try {
+        cancel_pending(requests_[slot]);
+      } catch (...) {
+        if (!cancel_error) cancel_error = std::current_exception();
       }
     }
-    // Nothing raised: timed-out requests' pending transfers are asked to end (once per request),
-    // so that they are let go of, and their blocks reported, once their backend has ended them (a
-    // later call hands them back).
-    for (const std::uint32_t slot : timed_out_scratch_) cancel_pending(requests_[slot]);
     // Requests let go of by a call whose release threw come first: that call returned nothing.
     std::vector<finished_request> out = std::move(not_handed_back_);
     not_handed_back_.clear();
@@ -396,6 +403,7 @@ class load_tracker {
         if (!first_error) first_error = std::current_exception();
       }
     }
+    if (!first_error) first_error = cancel_error;
     if (first_error) {
       not_handed_back_ = std::move(out);
       std::rethrow_exception(first_error);
@@ -427,6 +435,7 @@ class load_tracker {
     std::uint32_t blocks_begin;
     std::uint32_t blocks_end;
     bool reported;
+    bool cancel_asked;  // handed to cancel_ once
   };
 
   struct request_entry {
@@ -436,7 +445,6 @@ class load_tracker {
     bool live = false;
     bool sealed = false;
     bool aborted = false;
-    bool cancel_asked = false;  // its pending transfers were handed to cancel_ once
     std::uint64_t generation = 0;
     std::vector<member> members;
     std::vector<block_id> blocks;
@@ -451,6 +459,11 @@ class load_tracker {
     std::optional<std::size_t> first_pending;
   };
 
+  [[nodiscard]] bool gone_or_aborted(request_handle h) const noexcept {
+    return h.slot_ >= requests_.size() || !requests_[h.slot_].live ||
+           requests_[h.slot_].generation != h.generation_ || requests_[h.slot_].aborted;
+  }
+
   // Now + admission_timeout, never past created + abort_timeout (saturating).
   static clock::time_point admission_deadline(const request_entry& r) noexcept {
     const clock::time_point now = clock::now();
@@ -463,12 +476,25 @@ class load_tracker {
     return std::min(admitted, abort);
   }
 
+  // Hands every pending transfer of `r` not handed over yet to cancel_, each once. The cancel
+  // function must leave the tracker alone (it runs under the same guard as post()'s submit). If it
+  // throws, the others are still asked and the first exception propagates.
   void cancel_pending(request_entry& r) {
-    if (!cancel_ || r.cancel_asked) return;
-    r.cancel_asked = true;
-    for (const member& m : r.members) {
-      if (m.t.state() == transfer_state::pending) cancel_(m.t);
+    if (!cancel_) return;
+    std::exception_ptr first_error;
+    {
+      const submitting in_cancel(submitting_);
+      for (member& m : r.members) {
+        if (m.cancel_asked || m.t.state() != transfer_state::pending) continue;
+        m.cancel_asked = true;
+        try {
+          cancel_(m.t);
+        } catch (...) {
+          if (!first_error) first_error = std::current_exception();
+        }
+      }
     }
+    if (first_error) std::rethrow_exception(first_error);
   }
 
   // The checks and allocations of registering one transfer, so that commit() cannot fail.
@@ -498,7 +524,7 @@ class load_tracker {
     const auto begin = static_cast<std::uint32_t>(r.blocks.size());
     r.blocks.insert(r.blocks.end(), destination.begin(), destination.end());
     r.members.push_back(member{std::move(t), static_cast<std::uint32_t>(layer), begin,
-                               static_cast<std::uint32_t>(r.blocks.size()), false});
+                               static_cast<std::uint32_t>(r.blocks.size()), false, false});
   }
 
   // Capacity for `n` more, growing geometrically.
@@ -616,8 +642,9 @@ class load_tracker {
     return requests_[h.slot_];
   }
 
-  // Set while post() runs the user's submit, which must leave the tracker alone: post() holds a
-  // reference into it, and room made for the transfer it registers next.
+  // Set while post() runs the user's submit, or a cancel function runs, either of which must leave
+  // the tracker alone: post() holds a reference into it, and room made for the transfer it
+  // registers next; take_finished is part-way through its scratch lists.
   struct submitting {
     bool& flag;
     explicit submitting(bool& f) noexcept : flag(f) { flag = true; }
@@ -629,8 +656,8 @@ class load_tracker {
   void not_from_submit(const char* what) const {
     if (submitting_) {
       throw std::logic_error(std::string("ferry::kv::load_tracker::") + what +
-                             ": called from inside post()'s submit function, which must not "
-                             "change the tracker");
+                             ": called from inside post()'s submit function or the cancel "
+                             "function, which must not change the tracker");
     }
   }
 

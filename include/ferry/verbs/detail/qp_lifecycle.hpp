@@ -88,18 +88,18 @@ class qp_lifecycle {
 
   // created -> connected (the user's thread). False when the executor broke it first: it stays
   // broken, and requests report why.
-  bool connect() noexcept { return transition(qp_state_kind::created, qp_state_kind::connected); }
+  [[nodiscard]] bool connect() noexcept { return transition(qp_state_kind::created, qp_state_kind::connected); }
 
   // created or connected -> broken (the executor). True when it moved now; false when it was broken
   // or closing already. The first CAS fails only if the state is no longer created (connect() won, or
   // it is broken or closing); the second then takes connected on, and fails for the rest.
-  bool break_off() noexcept {
+  [[nodiscard]] bool break_off() noexcept {
     return transition(qp_state_kind::created, qp_state_kind::broken) ||
            transition(qp_state_kind::connected, qp_state_kind::broken);
   }
 
   // broken -> closing (the executor, once its handle is gone and it is broken).
-  bool close() noexcept { return transition(qp_state_kind::broken, qp_state_kind::closing); }
+  [[nodiscard]] bool close() noexcept { return transition(qp_state_kind::broken, qp_state_kind::closing); }
 
  private:
   std::atomic<qp_state_kind> state_{qp_state_kind::created};

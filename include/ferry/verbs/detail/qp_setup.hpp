@@ -209,7 +209,7 @@ struct qp_setup {
     }
     // created -> connected. Lost only to the executor breaking it meanwhile: it stays broken, and
     // requests on it fail with the reason.
-    s->lifecycle.connect();
+    (void)s->lifecycle.connect();
   }
 };
 

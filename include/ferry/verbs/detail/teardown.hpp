@@ -7,6 +7,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <mutex>
 #include <system_error>
 #include <vector>
@@ -61,8 +63,12 @@ struct teardown {
 
   void close_now(qp_state* q) noexcept {
     break_queue_pair(q, errc::queue_pair_closed);
-    // broken -> closing: its handle is gone, so nothing races this.
-    q->lifecycle.close();
+    // broken -> closing: its handle is gone, so nothing races this. A queue pair left anywhere else
+    // would never be destroyed: that is a bug in ferry, reported rather than left to leak.
+    if (!q->lifecycle.close()) {
+      std::fprintf(stderr, "ferry: verbs queue pair closed from a state other than broken\n");
+      std::abort();
+    }
     maybe_destroy(q);
   }
 
