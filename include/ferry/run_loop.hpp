@@ -272,18 +272,25 @@ class run_loop {
   }
 
   // Marks the calling thread as the one running the loop while it is inside run, run_one or poll
-  // (nested calls restore what they found).
+  // (nested calls find it marked already). One relaxed load per call on the common path: only the
+  // owning thread runs a loop, so nothing races these writes; posters read them only when the ring
+  // cannot grow.
   class running_here {
    public:
     explicit running_here(std::atomic<std::thread::id>& running) noexcept
-        : running_(running),
-          before_(running.exchange(std::this_thread::get_id(), std::memory_order_acq_rel)) {}
-    ~running_here() { running_.store(before_, std::memory_order_release); }
+        : running_(running), me_(std::this_thread::get_id()),
+          before_(running.load(std::memory_order_relaxed)) {
+      if (before_ != me_) running_.store(me_, std::memory_order_release);
+    }
+    ~running_here() {
+      if (before_ != me_) running_.store(before_, std::memory_order_release);
+    }
     running_here(const running_here&) = delete;
     running_here& operator=(const running_here&) = delete;
 
    private:
     std::atomic<std::thread::id>& running_;
+    std::thread::id me_;
     std::thread::id before_;
   };
 
