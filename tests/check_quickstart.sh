@@ -25,12 +25,12 @@ ci_commands=$(awk '
   { print }
 ' "$root/.ci/run")
 status=0
-if [ "$demo" != "scripts/quickstart.sh demo" ]; then
-  echo "README quick start, first command: '$demo', expected 'scripts/quickstart.sh demo'" >&2
+if [ "$demo" != "./scripts/quickstart.sh demo" ]; then
+  echo "README quick start, first command: '$demo', expected './scripts/quickstart.sh demo'" >&2
   status=1
 fi
-if [ "$test_command" != "scripts/quickstart.sh test" ]; then
-  echo "README quick start, second command: '$test_command', expected 'scripts/quickstart.sh test'" >&2
+if [ "$test_command" != "./scripts/quickstart.sh test" ]; then
+  echo "README quick start, second command: '$test_command', expected './scripts/quickstart.sh test'" >&2
   status=1
 fi
 if [ "$ci_commands" != "$test_command" ]; then
