@@ -14,8 +14,14 @@
 #include <thread>
 #include <vector>
 
+#include <csignal>
+
 #include <pthread.h>
 #include <sched.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
 
 namespace ferry_bench {
 
@@ -164,5 +170,46 @@ inline void busy_wait_ns(std::int64_t ns) {
   while (now_ns() < until) {
   }
 }
+
+// CPU time the calling thread has used. A system call here (about 0.3 us), so measurements read it
+// outside the interval whose latency they time.
+inline std::int64_t thread_cpu_ns() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<std::int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+}
+
+// Another process keeping every CPU busy at normal priority while it lives: one child process per
+// hardware thread, each a plain loop, so that measurements see what an engine thread sees beside a
+// model that uses the whole machine. Children rather than threads, since the benchmark may already
+// run threads, and a forked child should do no more than loop. Each child dies with the benchmark.
+class cpu_load {
+ public:
+  cpu_load() {
+    const unsigned n = std::max(1u, std::thread::hardware_concurrency());
+    const pid_t parent = ::getpid();
+    for (unsigned i = 0; i < n; ++i) {
+      const pid_t pid = ::fork();
+      if (pid == 0) {
+        ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (::getppid() != parent) ::_exit(0);
+        std::atomic<std::uint64_t> spins{0};
+        for (;;) spins.fetch_add(1, std::memory_order_relaxed);  // a loop the compiler must keep
+      }
+      if (pid > 0) children_.push_back(pid);
+    }
+    // Give the children a moment to be scheduled before anything is measured beside them.
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ~cpu_load() {
+    for (const pid_t pid : children_) ::kill(pid, SIGKILL);
+    for (const pid_t pid : children_) ::waitpid(pid, nullptr, 0);
+  }
+  cpu_load(const cpu_load&) = delete;
+  cpu_load& operator=(const cpu_load&) = delete;
+
+ private:
+  std::vector<pid_t> children_;
+};
 
 }  // namespace ferry_bench
