@@ -231,15 +231,21 @@ class completer {
   return std::move(t);
 }
 
-// Blocking waits (transfer::wait, wait_for) look at the transfer for a while before they sleep on
-// a futex: 256 pauses, then a spin of the calling thread's own that adapts as run_loop's idle spin
-// does. It starts at none, doubles (up to the thread's limit, 500 µs by default) after a sleep that
-// ended within the limit of the moment the spin began, and halves after a sleep longer than the
-// limit and after a wait that times out; a wait's deadline also ends its spin. A thread waiting on a
-// stream of transfers that complete a few hundred microseconds apart (reads kept in flight on a
-// disk) then meets them awake instead of being woken for each. The spin does not decay with time
-// alone: after a quiet spell the next wait spins as long as the last did, then halves the spin if it
-// sleeps past the limit.
+// Blocking waits (transfer::wait, wait_for) look at the transfer for about a microsecond, less than
+// a futex sleep costs the sleeper, then sleep on a futex. By default they spin no longer: a spinning
+// waiter takes its CPU from whatever shares it, the model beside an engine thread, or the very
+// thread that would complete the transfer when the scheduler wakes that onto the spinner's CPU
+// (bench/RESULTS.md, "Blocking wait latency and CPU per wait": on a 2-vCPU VM with completions 50 µs
+// apart, a 500 µs spin woke in well under a microsecond on an idle machine but at several times the
+// CPU of a condition variable, and beside a process keeping both CPUs busy it was slower than one).
+// A thread with a CPU of its own opts in with set_wait_spin_limit(d): its waits then spin for a
+// while of the thread's own before they sleep, which adapts as run_loop's idle spin does. It starts
+// at none, doubles (up to d) after a sleep that ended within d of the moment the spin began, and
+// halves after a sleep longer than d and after a wait that times out; a wait's deadline also ends
+// its spin. A thread waiting on a stream of transfers that complete a few hundred microseconds apart
+// (reads kept in flight on a disk) then meets them awake instead of being woken for each. The spin
+// does not decay with time alone: after a quiet spell the next wait spins as long as the last did,
+// then halves the spin if it sleeps past the limit.
 struct wait_spin_info {
   std::chrono::nanoseconds limit;
   std::chrono::nanoseconds current;  // what the next wait on this thread spins
@@ -250,7 +256,7 @@ inline constexpr std::chrono::nanoseconds default_wait_spin_limit =
     detail::wait_spin_state::default_limit;
 inline constexpr std::chrono::nanoseconds max_wait_spin_limit = std::chrono::seconds(1);
 
-// The calling thread's limit, from zero (sleep after the pauses) to max_wait_spin_limit.
+// The calling thread's limit, from zero (the default: sleep after the look) to max_wait_spin_limit.
 inline void set_wait_spin_limit(std::chrono::nanoseconds limit) {
   if (limit < std::chrono::nanoseconds::zero()) {
     throw std::invalid_argument("ferry::set_wait_spin_limit: the limit must not be negative");

@@ -244,16 +244,18 @@ wait_record wait_on_stream(int count, std::chrono::microseconds gap) {
 
 }  // namespace
 
-TEST_CASE("a thread's blocking waits spin longer while its transfers keep completing soon",
+TEST_CASE("a thread's blocking waits do not spin unless it opts in; then they spin longer while its "
+          "transfers keep completing soon",
           "[transfer][concurrency]") {
-  // Completions 200 us apart or more: longer than the fixed pauses, so a thread that does not
-  // spin sleeps before nearly every one; far shorter than a 5 ms limit (which a busy machine's
-  // hiccups rarely reach), so an adaptive spin soon stops sleeping at all.
+  // Completions 200 us apart or more: far longer than the look before a sleep, so a thread that
+  // does not spin sleeps before nearly every one; far shorter than a 5 ms limit (which a busy
+  // machine's hiccups rarely reach), so an adaptive spin soon stops sleeping at all.
   constexpr int count = 400;
   constexpr auto gap = 200us;
-  ferry::set_wait_spin_limit(0ns);
-  CHECK(ferry::this_thread_wait_spin().current == 0ns);
-  CHECK(wait_on_stream(count, gap).late_sleeps >= count / 4);
+  ferry::set_wait_spin_limit(ferry::default_wait_spin_limit);
+  const wait_record by_default = wait_on_stream(count, gap);
+  CHECK(by_default.late_sleeps >= count / 4);
+  CHECK(by_default.spin_after == 0ns);
 
   ferry::set_wait_spin_limit(5ms);
   const wait_record busy = wait_on_stream(count, gap);
@@ -271,7 +273,8 @@ TEST_CASE("a thread's blocking waits spin longer while its transfers keep comple
   ferry::set_wait_spin_limit(100us);
   CHECK(ferry::this_thread_wait_spin().current <= 100us);
   ferry::set_wait_spin_limit(ferry::default_wait_spin_limit);
-  CHECK(ferry::this_thread_wait_spin().limit == 500us);
+  CHECK(ferry::this_thread_wait_spin().limit == 0ns);
+  CHECK(ferry::this_thread_wait_spin().current == 0ns);
 }
 
 TEST_CASE("a timed wait's deadline ends its spin, and a timeout halves the spin",
@@ -296,7 +299,8 @@ TEST_CASE("a timed wait's deadline ends its spin, and a timeout halves the spin"
 TEST_CASE("a thread's wait spin limit: its default, and the values it refuses", "[transfer]") {
   ferry::wait_spin_info fresh{};
   std::thread([&] { fresh = ferry::this_thread_wait_spin(); }).join();
-  CHECK(fresh.limit == 500us);
+  CHECK(ferry::default_wait_spin_limit == 0ns);
+  CHECK(fresh.limit == 0ns);
   CHECK(fresh.current == 0ns);
   CHECK(fresh.sleeps == 0);
   CHECK_THROWS_WITH(ferry::set_wait_spin_limit(-1us), Catch::Contains("must not be negative"));

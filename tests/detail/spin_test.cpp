@@ -1,4 +1,4 @@
-// detail/spin.hpp: spin_until and adapted_spin's rule.
+// detail/spin.hpp: spin_until, look_before_sleep and adapted_spin's rule.
 
 #include <catch2/catch.hpp>
 
@@ -36,6 +36,25 @@ TEST_CASE("spin_until sees a flag another thread sets", "[detail][concurrency]")
     setter.join();
     REQUIRE(seen);
   }
+}
+
+TEST_CASE("look_before_sleep: true as soon as ready, false only once its time has passed",
+          "[detail]") {
+  int looks = 0;
+  CHECK(ferry::detail::look_before_sleep([&] { return ++looks == 1; }));
+  CHECK(looks == 1);
+  looks = 0;
+  CHECK(ferry::detail::look_before_sleep([&] { return ++looks == 5; }));
+  CHECK(looks == 5);
+
+  const auto from = clock_type::now();
+  looks = 0;
+  CHECK_FALSE(ferry::detail::look_before_sleep([&] {
+    ++looks;
+    return false;
+  }));
+  CHECK(clock_type::now() - from >= ferry::detail::look_before_sleep_for);
+  CHECK(looks > 8);  // the first look, then at least one round of eight before the clock is read
 }
 
 TEST_CASE("adapted_spin: doubles when a spin that long would have met the wake, halves when the "

@@ -114,10 +114,7 @@ class batch_join {
   // Blocks until the verdict is delivered or `deadline` passes (null: none). Returns once the result
   // is readable.
   void wait_blocking(const clock::time_point* deadline) noexcept {
-    for (int i = 0; i < status_block::spin_before_sleep; ++i) {
-      if (done_.load(std::memory_order_acquire) != 0) return;
-      cpu_relax();
-    }
+    if (look_before_sleep([this] { return done_.load(std::memory_order_acquire) != 0; })) return;
     while (done_.load(std::memory_order_acquire) == 0) {
       if (futex_wait(done_, 0, deadline)) continue;
       // The deadline passed. If the timeout decides, the result is ours to read now; otherwise the

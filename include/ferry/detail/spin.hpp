@@ -1,6 +1,7 @@
 #pragma once
-// The spin policy: how ferry's idle spins pause and pace themselves, and how a spin before a sleep
-// adapts to the gaps it sees (the progress executor, run_loop and blocking waits all use it).
+// The spin policy: how ferry's idle spins pause and pace themselves, how long a blocking wait looks
+// before it sleeps, and how a spin before a sleep adapts to the gaps it sees (the progress executor,
+// run_loop and blocking waits all use it).
 
 #include <algorithm>
 #include <chrono>
@@ -60,6 +61,29 @@ bool spin_until(clock::time_point until, Ready ready) noexcept {
     if (now >= until) return false;
     spin.step(now);
   }
+}
+
+// How long a blocking wait looks before it sleeps, whatever else its thread spins: less than a futex
+// sleep and wake-up cost the sleeper in CPU (system calls and two context switches: 2 us and more on
+// the VM of bench/RESULTS.md), so that a wait that sleeps anyway spends at most that much more than
+// sleeping at once, and one whose completion is already landing meets it without the round trip.
+// Bounded in time rather than in pauses: a pause lasts from about 10 to about 140 cycles, depending on
+// the x86 generation (256 take 4 us on that VM).
+inline constexpr std::chrono::nanoseconds look_before_sleep_for = std::chrono::microseconds(1);
+
+// Looks at `ready` for up to look_before_sleep_for: true as soon as it says yes. Reads the clock every
+// eight looks.
+template <class Ready>
+bool look_before_sleep(Ready ready) noexcept {
+  if (ready()) return true;
+  const clock::time_point until = clock::now() + look_before_sleep_for;
+  do {
+    for (int i = 0; i < 8; ++i) {
+      cpu_relax();
+      if (ready()) return true;
+    }
+  } while (clock::now() < until);
+  return false;
 }
 
 // An idle spin that adapts as KVM's halt polling does: after a spin of `spin` that ended in a sleep

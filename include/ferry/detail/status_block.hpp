@@ -23,12 +23,15 @@
 
 namespace ferry::detail {
 
-// How long blocking waits on this thread look at a transfer before they sleep, beyond the fixed
-// pauses (status_block::spin_before_sleep): from none, adapted between zero and `limit` by
-// adapted_spin, and halved by a wait that times out (ferry::set_wait_spin_limit sets the limit;
-// ferry::this_thread_wait_spin reads it). Not for signal handlers, as no thread_local is.
+// How long blocking waits on this thread spin before they sleep, beyond the brief look every wait
+// takes (look_before_sleep): not at all unless the thread opts in with ferry::set_wait_spin_limit;
+// then from none, adapted between zero and `limit` by adapted_spin, and halved by a wait that times
+// out (ferry::this_thread_wait_spin reads it). Not for signal handlers, as no thread_local is.
 struct wait_spin_state {
-  static constexpr std::chrono::nanoseconds default_limit = std::chrono::microseconds(500);
+  // None: a spinning waiter takes its CPU from whatever shares it, the model beside an engine thread,
+  // or the completing thread when the scheduler wakes that onto it (ferry::set_wait_spin_limit says
+  // what that costs).
+  static constexpr std::chrono::nanoseconds default_limit{0};
   std::chrono::nanoseconds limit = default_limit;
   std::chrono::nanoseconds current{0};
   std::uint64_t sleeps = 0;  // waits that went on to the futex after their spin
@@ -199,14 +202,12 @@ class alignas(64) status_block {
 
   // Blocks until terminal or until `deadline` passes (null: no deadline). Returns the state seen.
   transfer_state wait(const clock::time_point* deadline) noexcept {
-    // A short spin first: completions often land within microseconds, and a futex round trip costs
-    // more than that.
-    for (int i = 0; i < spin_before_sleep; ++i) {
-      if (state() != transfer_state::pending) return state();
-      cpu_relax();
-    }
-    // Then this thread's adaptive spin, which its recent waits have grown if they kept ending soon
-    // after it slept (a stream of reads completing in bursts a few hundred microseconds apart).
+    // A brief look first: a completion already landing is met without a futex round trip, for less
+    // CPU than that round trip costs the sleeper.
+    if (look_before_sleep([this] { return state() != transfer_state::pending; })) return state();
+    // Then, on a thread that opted in, its adaptive spin, which its recent waits have grown if they
+    // kept ending soon after it slept (a stream of reads completing in bursts a few hundred
+    // microseconds apart). Under the default limit it stays at none.
     wait_spin_state& spin = this_thread_wait_spin();
     const std::chrono::nanoseconds spun = spin.current;
     if (spun > std::chrono::nanoseconds::zero()) {
@@ -259,8 +260,6 @@ class alignas(64) status_block {
       release();
     }
   }
-
-  static constexpr int spin_before_sleep = 256;
 
  private:
   friend class block_pool<status_block>;
