@@ -327,3 +327,25 @@ TEST_CASE("when_all decided in await_ready names the failure first in time",
     CHECK(wrong == 0);
   }
 }
+
+TEST_CASE("a member that never ends keeps no part of a when_all past its deadline",
+          "[when_all][regression]") {
+  engine_thread engine;
+  batch b(64);
+  observed seen;
+  SECTION("timed out") {
+    for (std::size_t i = 1; i < b.completers.size(); ++i) b.completers[i].succeed();
+    await_batch(engine.loop(), b.transfers, 5ms, seen);
+    REQUIRE(wait_until([&] { return seen.finished.load(); }));
+    CHECK(seen.result->verdict == verdict::timed_out);
+  }
+  SECTION("failed before the deadline: the pending member is swept when the deadline passes") {
+    await_batch(engine.loop(), b.transfers, 200ms, seen);
+    for (std::size_t i = 1; i < b.completers.size(); ++i) b.completers[i].fail(io_error);
+    REQUIRE(wait_until([&] { return seen.finished.load(); }));
+    CHECK(seen.result->verdict == verdict::failed);
+  }
+  CHECK(wait_until([&] { return b.transfers[0].status()->linked_waiters() == 0; }));
+  CHECK(wait_until([&] { return b.transfers[0].status()->references() == 2; }));
+  b.completers[0].succeed();
+}

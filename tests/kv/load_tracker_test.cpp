@@ -342,7 +342,9 @@ TEST_CASE("kv property 10: posting into a full queue backs off until the deadlin
           "[kv]") {
   kv::load_tracker tracker;
   SECTION("the queue frees up: the transfer is posted") {
-    auto h = tracker.add_request(1, kv::request_options{.abort_timeout = 10s});
+    // An admission deadline far enough away that three back-offs fit on a loaded machine.
+    auto h = tracker.add_request(
+        1, kv::request_options{.abort_timeout = 10s, .admission_timeout = 10s});
     int attempts = 0;
     tracker.post(h, 0, blocks({10}), [&]() -> std::optional<ferry::transfer> {
       if (++attempts < 4) return std::nullopt;

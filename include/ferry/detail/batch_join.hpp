@@ -12,6 +12,13 @@
 // the armed timer), so a completion that arrives after the verdict touches only the join, never the
 // waiting coroutine's frame or the waiting thread's stack, and the verdict path never has to unlink N
 // nodes before it returns: the short-circuit costs the same for 1 member and for 65536.
+//
+// What a member that never ends keeps: once the waiting side has finished, nodes still linked are
+// swept off their statuses at the wait's deadline (by the timer that serves it, or at once by
+// finish() when the deadline has already passed; a wait without a deadline is swept at once on the
+// process-wide timer thread). So a lost completion pins its own status block past the deadline, not
+// the join and its N nodes. Each linked node holds a reference on its status for that sweep, since
+// the waiting side may have let go of the transfers by then.
 
 #include <algorithm>
 #include <atomic>
@@ -46,6 +53,14 @@ class batch_join;
 // The join's deadline: a timer node that knows its join.
 struct join_deadline : timer_node {
   batch_join* owner = nullptr;
+};
+
+// One member's node. While linked it holds a transfer reference on `status`; the notification (a
+// completion, or another waiter's sweep of expired nodes) and the join's own sweep agree through
+// `handoff` on which of them gives that reference back.
+struct member_node : waiter {
+  status_block* status = nullptr;  // null: never linked
+  std::atomic<std::uint8_t> handoff{0};
 };
 
 class batch_join {
@@ -90,16 +105,20 @@ class batch_join {
       }
       timers_ = timers;
     }
+    deadline_ = deadline;
     // Pre-count one reference per member, and give back those that were never linked in one step.
     refs_.fetch_add(members.size(), std::memory_order_relaxed);
     std::size_t unlinked = 0;
     for (std::size_t i = 0; i < members.size(); ++i) {
-      waiter& node = *::new (static_cast<void*>(nodes() + i)) waiter;
+      member_node& node = *::new (static_cast<void*>(nodes() + i)) member_node;
       node.index = static_cast<std::uint32_t>(i);
       node.notify = &on_member;
       node.expired = &is_expired;
       status_block* s = members[i].status();
-      if (s != nullptr && s->add_waiter(&node)) continue;
+      // Set before linking: a notification may read it as soon as the node is linked.
+      node.status = s;
+      if (s != nullptr && s->add_holding_waiter(&node)) continue;
+      node.status = nullptr;
       ++unlinked;
       if (s == nullptr) {
         member_ended(i, {transfer_state::failed, make_error_code(errc::empty_transfer), 0});
@@ -146,10 +165,21 @@ class batch_join {
 
   // The waiting side is finished with the join: disarm the timer and drop the waiter's reference.
   // If no verdict was delivered (a coroutine destroyed while suspended), claim it first so that no
-  // completion tries to resume what is gone.
+  // completion tries to resume what is gone. Members still linked are left to be swept at the
+  // deadline (see the top of this file), so that those which end meanwhile are simply notified and
+  // only the ones that do not end cost a sweep.
   void finish() noexcept {
     word_.fetch_or(claimed, std::memory_order_acq_rel);
-    if (timers_ != nullptr && timers_->cancel(timer_)) release();
+    // acquire: a node's reference given back before this load is not counted as linked.
+    if (timers_ != nullptr) {
+      if (refs_.load(std::memory_order_acquire) == 2 && timers_->cancel(timer_)) {
+        release();  // the timer's: with it and ours there was nothing linked
+      } else if ((sweep_.fetch_or(finished, std::memory_order_acq_rel) & fired) != 0) {
+        sweep();  // the timer ran before this: the sweep is ours
+      }
+    } else if (refs_.load(std::memory_order_acquire) > 1) {
+      hand_over_linked_members();
+    }
     release();
   }
 
@@ -162,18 +192,28 @@ class batch_join {
   static constexpr std::uint64_t timed_out = std::uint64_t{1} << 62;
   static constexpr std::uint64_t claimed = std::uint64_t{1} << 63;
 
+  // sweep_ flags.
+  static constexpr std::uint8_t finished = 1;  // the waiting side is done
+  static constexpr std::uint8_t fired = 2;     // the deadline timer ran
+  // member_node::handoff values.
+  static constexpr std::uint8_t notified = 1;
+  static constexpr std::uint8_t sweeping = 2;
+
   batch_join(std::size_t members, batch_mode mode, std::uint8_t size_class) noexcept
-      : word_(members + 1), mode_(mode), size_class_(size_class) {}
+      : word_(members + 1),
+        mode_(mode),
+        size_class_(size_class),
+        members_(static_cast<std::uint32_t>(members)) {}
 
   ~batch_join() = default;
 
-  waiter* nodes() noexcept {
-    return std::launder(reinterpret_cast<waiter*>(reinterpret_cast<unsigned char*>(this) +
-                                                  sizeof(batch_join)));
+  member_node* nodes() noexcept {
+    return std::launder(reinterpret_cast<member_node*>(reinterpret_cast<unsigned char*>(this) +
+                                                       sizeof(batch_join)));
   }
 
   static batch_join* owner_of(const waiter* w) noexcept {
-    const waiter* first = w - w->index;
+    const member_node* first = static_cast<const member_node*>(w) - w->index;
     return reinterpret_cast<batch_join*>(
         const_cast<unsigned char*>(reinterpret_cast<const unsigned char*>(first)) -
         sizeof(batch_join));
@@ -281,9 +321,16 @@ class batch_join {
 
   static void on_member(waiter* w, const completion_event& ev) noexcept {
     batch_join* self = owner_of(w);
+    auto* node = static_cast<member_node*>(w);
     // A swept node (state pending) belongs to a wait that already has its verdict.
     if (ev.state != transfer_state::pending) self->member_ended(w->index, ev);
-    self->release();
+    // The status is alive here (its completer, or the waiter whose registration swept us, holds
+    // it). A join sweep that already looked at this node gives the reference back itself.
+    status_block* s = node->status;
+    if (node->handoff.exchange(notified, std::memory_order_acq_rel) != sweeping) {
+      s->release_transfer_ref();
+    }
+    self->drop_member_reference();
   }
 
   static bool is_expired(const waiter* w) noexcept {
@@ -293,7 +340,67 @@ class batch_join {
   static void on_deadline(timer_node* t) noexcept {
     batch_join* self = static_cast<join_deadline*>(t)->owner;
     if (self->advance(event::timeout)) self->deliver_(self);
+    // Whichever of this and finish() comes second sweeps.
+    if ((self->sweep_.fetch_or(fired, std::memory_order_acq_rel) & finished) != 0) self->sweep();
     self->release();
+  }
+
+  // finish() found members still linked on a wait without a timer: sweep them now if the deadline
+  // has passed, or arm the process-wide timer to do it at the deadline (a blocking wait's deadline
+  // is a futex timeout), or at once, off this thread, for a wait without a deadline.
+  void hand_over_linked_members() noexcept {
+    const clock::time_point now = clock::now();
+    const bool bounded = deadline_ != clock::time_point{};
+    if (bounded && deadline_ <= now) {
+      sweep();
+      return;
+    }
+    try {
+      timer_service& timers = process_timers();
+      timer_.deadline = bounded ? deadline_ : now;
+      timer_.fire = &on_deadline;
+      timer_.owner = this;
+      refs_.fetch_add(1, std::memory_order_relaxed);  // the armed timer's reference
+      try {
+        timers.arm(timer_);
+      } catch (...) {
+        refs_.fetch_sub(1, std::memory_order_relaxed);
+        throw;
+      }
+      // Read only by a notification that saw `finished`, published below.
+      timers_ = &timers;
+    } catch (...) {
+      sweep();  // no timer thread, or no memory for its heap: sweep here instead
+      return;
+    }
+    if ((sweep_.fetch_or(finished, std::memory_order_acq_rel) & fired) != 0) sweep();
+  }
+
+  // Takes every node still linked off its status. The caller holds a reference to the join. A node
+  // whose notification has started is left to it; its status reference is given back by whichever
+  // of the two looks at `handoff` second, since the notification may end, and its completer let go
+  // of the status, while this thread is still at remove_waiter.
+  void sweep() noexcept {
+    member_node* n = nodes();
+    for (std::uint32_t i = 0; i < members_; ++i) {
+      status_block* s = n[i].status;
+      if (s == nullptr) continue;
+      if (n[i].handoff.exchange(sweeping, std::memory_order_acq_rel) == notified) continue;
+      const bool removed = s->remove_waiter(&n[i]);
+      s->release_transfer_ref();
+      if (removed) release();  // the node's reference; never the last, the caller holds one
+    }
+  }
+
+  // A notified node's reference. After finish(), when the only other reference is a timer armed to
+  // sweep, this was the last linked member: the sweep has nothing left to do, so the timer is
+  // cancelled and the join freed now instead of at the deadline.
+  void drop_member_reference() noexcept {
+    if ((sweep_.load(std::memory_order_acquire) & (finished | fired)) == finished &&
+        refs_.load(std::memory_order_acquire) == 2 && timers_->cancel(timer_)) {
+      release();  // the timer's; ours is still held
+    }
+    release();
   }
 
   static void post_continuation(batch_join* self) noexcept {
@@ -321,6 +428,7 @@ class batch_join {
   std::coroutine_handle<> continuation_;
   std::atomic<std::uint32_t> done_{0};  // futex word for a blocked waiter
   std::atomic<bool> failure_lock_{false};
+  std::atomic<std::uint8_t> sweep_{0};  // finished, fired: see on_deadline and finish
   batch_mode mode_;
   std::uint8_t size_class_;
   std::size_t first_failed_ = no_failure;
@@ -328,18 +436,20 @@ class batch_join {
   std::error_code first_error_;
   any_scheduler scheduler_;
   // Cold: only the timeout path and finish().
+  std::uint32_t members_;
+  clock::time_point deadline_{};
   timer_service* timers_ = nullptr;
   join_deadline timer_;
 };
 
-static_assert(alignof(batch_join) >= alignof(waiter));
-static_assert(sizeof(batch_join) % alignof(waiter) == 0);
+static_assert(alignof(batch_join) >= alignof(member_node));
+static_assert(sizeof(batch_join) % alignof(member_node) == 0);
 
 // Pooled storage for joins, in size classes by member count.
 template <std::size_t Members>
 struct join_storage {
   static constexpr std::size_t members = Members;
-  static constexpr std::size_t poisonable_bytes = sizeof(batch_join) + Members * sizeof(waiter);
+  static constexpr std::size_t poisonable_bytes = sizeof(batch_join) + Members * sizeof(member_node);
   alignas(batch_join) unsigned char bytes[poisonable_bytes];
   join_storage* pool_next_ = nullptr;
 };
@@ -372,7 +482,7 @@ struct join_memory {
       case 3: return join_pool<512>::acquire()->bytes;
       case 4: return join_pool<2048>::acquire()->bytes;
       default:
-        return ::operator new(sizeof(batch_join) + members * sizeof(waiter),
+        return ::operator new(sizeof(batch_join) + members * sizeof(member_node),
                               std::align_val_t{alignof(batch_join)});
     }
   }

@@ -173,22 +173,12 @@ class alignas(64) status_block {
   }
 
   // Links `w` unless the status is already terminal (returns false: nothing was linked).
-  [[nodiscard]] bool add_waiter(waiter* w) noexcept {
-    if (!lock_pending()) return false;
-    waiter* swept = sweep_expired();
-    w->next = nullptr;
-    w->prev = tail_;
-    if (tail_ != nullptr) {
-      tail_->next = w;
-    } else {
-      head_ = w;
-    }
-    tail_ = w;
-    w->linked = true;
-    unlock();
-    notify_swept(swept);
-    return true;
-  }
+  [[nodiscard]] bool add_waiter(waiter* w) noexcept { return link(w, false); }
+
+  // As add_waiter, and a linked `w` also holds a transfer reference on this status, so that the
+  // node's owner can take it off later (remove_waiter) without holding the transfer itself; whoever
+  // ends up with the node gives the reference back with release_transfer_ref().
+  [[nodiscard]] bool add_holding_waiter(waiter* w) noexcept { return link(w, true); }
 
   // Takes `w` off the list if it is still there: true means it will never be notified; false
   // means its notification has started (it has run, or is running on the completing thread).
@@ -250,6 +240,19 @@ class alignas(64) status_block {
 
   void release_transfer_ref() noexcept { release(); }
 
+  // Diagnostics, for tests and leak hunts: the references held (transfer handles, one for the
+  // completers while any exists, one per linked holding waiter) and the waiters linked now.
+  [[nodiscard]] std::uint32_t references() const noexcept {
+    return refs_.load(std::memory_order_acquire);
+  }
+  [[nodiscard]] std::size_t linked_waiters() noexcept {
+    if (!lock_pending()) return 0;
+    std::size_t n = 0;
+    for (const waiter* w = head_; w != nullptr; w = w->next) ++n;
+    unlock();
+    return n;
+  }
+
   void add_completer_ref() noexcept { completers_.fetch_add(1, std::memory_order_relaxed); }
 
   // The last completer to go fails a pending transfer as abandoned, so that no transfer can stay
@@ -285,6 +288,25 @@ class alignas(64) status_block {
         v = word_.load(std::memory_order_relaxed);
       }
     }
+  }
+
+  // A held reference is taken under the lock, so it exists exactly when `w` was linked.
+  bool link(waiter* w, bool hold) noexcept {
+    if (!lock_pending()) return false;
+    if (hold) refs_.fetch_add(1, std::memory_order_relaxed);
+    waiter* swept = sweep_expired();
+    w->next = nullptr;
+    w->prev = tail_;
+    if (tail_ != nullptr) {
+      tail_->next = w;
+    } else {
+      head_ = w;
+    }
+    tail_ = w;
+    w->linked = true;
+    unlock();
+    notify_swept(swept);
+    return true;
   }
 
   void lock() noexcept {
