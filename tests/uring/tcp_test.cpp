@@ -53,24 +53,12 @@ int raw_connect(std::uint16_t port) {
   return fd;
 }
 
-// Sets SO_SNDBUF and SO_RCVBUF to `bytes` (the kernel doubles them for its bookkeeping).
-void set_socket_buffers(int fd, int bytes) {
-  REQUIRE(::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof bytes) == 0);
-  REQUIRE(::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof bytes) == 0);
-}
-
-// A plain socket with buffers of `bytes`, set before it connects to `port`: the window and MSS the
-// handshake agrees on then fit them.
-int connect_with_buffers(std::uint16_t port, int bytes) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  REQUIRE(fd >= 0);
-  set_socket_buffers(fd, bytes);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(port);
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-  return fd;
+// SO_SNDBUF or SO_RCVBUF as the kernel reports it (on Linux, double what was set).
+int socket_buffer(int fd, int option) {
+  int bytes = 0;
+  socklen_t len = sizeof bytes;
+  REQUIRE(::getsockopt(fd, SOL_SOCKET, option, &bytes, &len) == 0);
+  return bytes;
 }
 
 void write_all(int fd, const void* p, std::size_t n) {
@@ -927,25 +915,22 @@ TEST_CASE("tcp: with 16 KiB socket buffers, set before the handshake, rounds of 
   FERRY_REQUIRE_URING();
   // Buffers far below loopback's MSS (65483) move every frame of more than a few KiB in many
   // pieces, a sendmsg and a recv each waiting on the socket again and again (MSG_WAITALL), while
-  // cancels stop them part-way or between frames. Set before the handshake, the MSS it settles
-  // fits them. Set on an established connection instead, they leave the sender holding segments
-  // too large for any window the receiver offers, moved only by the kernel's persist and
-  // retransmission timers (README, io_uring TCP): 0.2 s or more per connection, on plain sockets
-  // as much as here.
+  // cancels stop them part-way or between frames. Set before the handshake (tcp_options), the
+  // MSS it settles fits them. Set on an established connection instead, they leave the sender
+  // holding segments too large for any window the receiver offers, moved only by the kernel's
+  // persist and retransmission timers (README, io_uring TCP): 0.2 s or more per connection, on
+  // plain sockets as much as here.
   constexpr int buffer_bytes = 16 << 10;
+  const uring::tcp_options small{.send_buffer = buffer_bytes, .receive_buffer = buffer_bytes};
   ferry::progress_executor exec;
   uring::ring r(exec);
   std::mt19937 rng(23);
   for (int round = 0; round < 200; ++round) {
-    uring::tcp_listener listener("127.0.0.1", 0);
-    set_socket_buffers(listener.native_handle(), buffer_bytes);  // accepted sockets take them
+    uring::tcp_listener listener("127.0.0.1", 0, 64, small);
     uring::tcp_connection sender =
-        uring::tcp_connection::adopt_socket(r, connect_with_buffers(listener.port(), buffer_bytes));
+        uring::tcp_connection::connect(r, "127.0.0.1", listener.port(), small);
     uring::tcp_connection receiver = listener.accept(r);
-    int rcvbuf = 0;
-    socklen_t rcvbuf_len = sizeof rcvbuf;
-    REQUIRE(::getsockopt(receiver.native_handle(), SOL_SOCKET, SO_RCVBUF, &rcvbuf, &rcvbuf_len) == 0);
-    REQUIRE(rcvbuf <= 2 * buffer_bytes);
+    REQUIRE(socket_buffer(receiver.native_handle(), SO_RCVBUF) <= 2 * buffer_bytes);
     const std::size_t n = 2 + rng() % 10;
     std::vector<std::vector<std::byte>> payloads;
     for (std::size_t i = 0; i < n; ++i) {
@@ -987,4 +972,66 @@ TEST_CASE("tcp: with 16 KiB socket buffers, set before the handshake, rounds of 
     REQUIRE(intact);
     REQUIRE(received == succeeded);
   }
+}
+
+TEST_CASE("tcp: tcp_options set the socket buffers before the handshake, on the connecting socket "
+          "and on the listener, whose accepted connections inherit them",
+          "[tcp]") {
+  FERRY_REQUIRE_URING();
+  constexpr int buffer_bytes = 16 << 10;
+  ferry::progress_executor exec;
+  uring::ring r(exec);
+  connected_pair defaults(r);
+  const int default_send = socket_buffer(defaults.client.native_handle(), SO_SNDBUF);
+  const int default_receive = socket_buffer(defaults.client.native_handle(), SO_RCVBUF);
+  CAPTURE(default_send, default_receive);
+  // The checks below tell a set buffer from an untouched one only if the defaults are larger.
+  REQUIRE(default_send > 2 * buffer_bytes);
+  REQUIRE(default_receive > 2 * buffer_bytes);
+  const auto is_set = [&](int bytes) { return bytes > 0 && bytes <= 2 * buffer_bytes; };
+
+  SECTION("both buffers on both sides") {
+    const uring::tcp_options small{.send_buffer = buffer_bytes, .receive_buffer = buffer_bytes};
+    uring::tcp_listener listener("127.0.0.1", 0, 64, small);
+    uring::tcp_connection client =
+        uring::tcp_connection::connect(r, "127.0.0.1", listener.port(), small);
+    uring::tcp_connection server = listener.accept(r);
+    for (const int fd : {client.native_handle(), server.native_handle()}) {
+      CHECK(is_set(socket_buffer(fd, SO_SNDBUF)));
+      CHECK(is_set(socket_buffer(fd, SO_RCVBUF)));
+    }
+  }
+  SECTION("each field sets only its own buffer") {
+    uring::tcp_listener listener("127.0.0.1", 0, 64,
+                                 uring::tcp_options{.receive_buffer = buffer_bytes});
+    uring::tcp_connection client = uring::tcp_connection::connect(
+        r, "127.0.0.1", listener.port(), uring::tcp_options{.send_buffer = buffer_bytes});
+    uring::tcp_connection server = listener.accept(r);
+    CHECK(is_set(socket_buffer(client.native_handle(), SO_SNDBUF)));
+    CHECK_FALSE(is_set(socket_buffer(client.native_handle(), SO_RCVBUF)));
+    CHECK_FALSE(is_set(socket_buffer(server.native_handle(), SO_SNDBUF)));
+    CHECK(is_set(socket_buffer(server.native_handle(), SO_RCVBUF)));
+  }
+}
+
+TEST_CASE("tcp: a negative buffer size in tcp_options is rejected, naming the field", "[tcp]") {
+  FERRY_REQUIRE_URING();
+  ferry::progress_executor exec;
+  uring::ring r(exec);
+  uring::tcp_listener listener("127.0.0.1", 0);
+  CHECK_THROWS_AS(uring::tcp_connection::connect(r, "127.0.0.1", listener.port(),
+                                                 uring::tcp_options{.send_buffer = -1}),
+                  std::invalid_argument);
+  CHECK_THROWS_WITH(uring::tcp_connection::connect(r, "127.0.0.1", listener.port(),
+                                                   uring::tcp_options{.send_buffer = -1}),
+                    Catch::Contains("send_buffer"));
+  CHECK_THROWS_WITH(uring::tcp_connection::connect(r, "127.0.0.1", listener.port(),
+                                                   uring::tcp_options{.receive_buffer = -16384}),
+                    Catch::Contains("receive_buffer"));
+  const uring::tcp_options bad_receive{.receive_buffer = -1};
+  CHECK_THROWS_AS(uring::tcp_listener("127.0.0.1", 0, 64, bad_receive), std::invalid_argument);
+  CHECK_THROWS_WITH(uring::tcp_listener("127.0.0.1", 0, 64, bad_receive),
+                    Catch::Contains("receive_buffer"));
+  CHECK_THROWS_WITH(uring::tcp_listener("127.0.0.1", 0, 64, uring::tcp_options{.send_buffer = -1}),
+                    Catch::Contains("send_buffer"));
 }

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <system_error>
 #include <utility>
@@ -47,10 +48,49 @@
 
 namespace ferry::uring {
 
+// Socket settings that must be in place before the handshake, which is why they are options of
+// tcp_connection::connect and tcp_listener rather than something to set on native_handle(). The
+// handshake fixes the window scale and the sender's segment size (at most half the largest window
+// the receiver has offered); a receive buffer shrunk on an established connection then offers
+// windows smaller than one segment, and the sender waits on the kernel's persist and retransmission
+// timers, 0.2 s or more each time (README, io_uring TCP).
+struct tcp_options {
+  // SO_SNDBUF and SO_RCVBUF in bytes, as given to setsockopt; 0 leaves the kernel's default (and
+  // its automatic sizing). Linux doubles the value for its bookkeeping (getsockopt reports the
+  // double), clamps it to net.core.wmem_max / rmem_max and raises it to a small minimum; a value
+  // set turns off the automatic sizing of that buffer for the socket.
+  int send_buffer = 0;
+  int receive_buffer = 0;
+};
+
 namespace detail {
 
 [[noreturn]] inline void throw_errno(int err, const std::string& what) {
   throw std::system_error(err, std::system_category(), what);
+}
+
+// A programming error, caught before any socket exists.
+inline void check_tcp_options(const tcp_options& o, const char* who) {
+  if (o.send_buffer < 0) {
+    throw std::invalid_argument(std::string(who) + ": tcp_options::send_buffer is negative (" +
+                                std::to_string(o.send_buffer) + ")");
+  }
+  if (o.receive_buffer < 0) {
+    throw std::invalid_argument(std::string(who) + ": tcp_options::receive_buffer is negative (" +
+                                std::to_string(o.receive_buffer) + ")");
+  }
+}
+
+// On a socket not yet connected or listening; `where` (who and the address) heads the error.
+inline void apply_tcp_options(int fd, const tcp_options& o, const std::string& where) {
+  if (o.send_buffer != 0 &&
+      ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &o.send_buffer, sizeof o.send_buffer) != 0) {
+    throw_errno(errno, where + ": setsockopt(SO_SNDBUF, " + std::to_string(o.send_buffer) + ")");
+  }
+  if (o.receive_buffer != 0 &&
+      ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &o.receive_buffer, sizeof o.receive_buffer) != 0) {
+    throw_errno(errno, where + ": setsockopt(SO_RCVBUF, " + std::to_string(o.receive_buffer) + ")");
+  }
 }
 
 using ferry::detail::connect_blocking;
@@ -83,17 +123,20 @@ class tcp_connection {
     }
   }
 
-  // Connects to host:port, blocking until the connection is up or refused.
-  [[nodiscard]] static tcp_connection connect(ring& r, const std::string& host, std::uint16_t port) {
+  // Connects to host:port, blocking until the connection is up or refused; `options` are set on
+  // the socket before it connects.
+  [[nodiscard]] static tcp_connection connect(ring& r, const std::string& host, std::uint16_t port,
+                                              const tcp_options& options = {}) {
+    detail::check_tcp_options(options, "ferry::uring::tcp_connection::connect");
+    const std::string where =
+        "ferry::uring::tcp_connection::connect to " + host + ":" + std::to_string(port);
     const int fd =
         detail::for_each_address(host, port, 0, std::make_error_code(std::errc::invalid_argument),
-                                 "ferry::uring", [](int s, const addrinfo& a) {
+                                 "ferry::uring", [&](int s, const addrinfo& a) {
+                                   detail::apply_tcp_options(s, options, where);
                                    return detail::connect_blocking(s, a.ai_addr, a.ai_addrlen);
                                  });
-    if (fd < 0) {
-      detail::throw_errno(errno, "ferry::uring::tcp_connection::connect to " + host + ":" +
-                                     std::to_string(port));
-    }
+    if (fd < 0) detail::throw_errno(errno, where);
     return adopt_socket(r, fd);
   }
 
@@ -184,20 +227,22 @@ class tcp_connection {
 
 class tcp_listener {
  public:
-  // Listens on address:port; port 0 picks a free one (see port()).
+  // Listens on address:port; port 0 picks a free one (see port()). `options` are set on the
+  // listening socket before it listens, and the connections it accepts inherit them.
   explicit tcp_listener(const std::string& address = "127.0.0.1", std::uint16_t port = 0,
-                        int backlog = 64) {
+                        int backlog = 64, const tcp_options& options = {}) {
+    detail::check_tcp_options(options, "ferry::uring::tcp_listener");
+    const std::string where =
+        "ferry::uring::tcp_listener on " + address + ":" + std::to_string(port);
     fd_ = detail::for_each_address(
         address, port, AI_PASSIVE, std::make_error_code(std::errc::invalid_argument),
         "ferry::uring", [&](int s, const addrinfo& a) {
           const int one = 1;
           ::setsockopt(s, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+          detail::apply_tcp_options(s, options, where);
           return ::bind(s, a.ai_addr, a.ai_addrlen) == 0 && ::listen(s, backlog) == 0;
         });
-    if (fd_ < 0) {
-      detail::throw_errno(errno, "ferry::uring::tcp_listener on " + address + ":" +
-                                     std::to_string(port));
-    }
+    if (fd_ < 0) detail::throw_errno(errno, where);
   }
 
   tcp_listener(tcp_listener&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
