@@ -1,0 +1,82 @@
+#pragma once
+// One call a submitter makes (a get, a put, a batch of either, a notification, a wait for one, a
+// connect, an accept, a close), as the executor carries it out. Every field is written by the
+// submitter before the request is published and touched only by the executor after.
+
+#include <ucp/api/ucp.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <system_error>
+#include <vector>
+
+#include "ferry/detail/status_block.hpp"
+#include "ferry/detail/timer_service.hpp"
+#include "ferry/ucx/memory_region.hpp"
+#include "ferry/ucx/options.hpp"
+
+namespace ferry::ucx::detail {
+
+struct endpoint_state;
+struct listener_state;
+class engine;
+
+enum class request_kind : std::uint8_t {
+  put,
+  get,
+  notify,             // flush the endpoint, then send the notification
+  wait_notification,  // the next notification the peer sends
+  connect,            // by host and port: create the endpoint, exchange hellos
+  accept,             // the next endpoint a listener has finished the exchange with
+  close,              // force-close an endpoint (from its last handle, or close())
+  call,               // run a function on the executor thread (creating objects)
+};
+
+struct request;
+
+// One transfer of a request: a batch has several, everything else one.
+struct member {
+  ferry::detail::status_block* status = nullptr;  // holds the completer reference
+  request* owner = nullptr;
+  std::byte* local = nullptr;
+  std::size_t length = 0;
+  ucp_mem_h memh = nullptr;
+  std::uint64_t remote_address = 0;
+  std::uint32_t remote_index = 0;
+  int outstanding = 0;  // UCX requests of this member not yet called back
+  std::error_code failure;
+};
+
+struct request_timer : ferry::detail::timer_node {
+  request* owner = nullptr;
+};
+
+struct request {
+  request* next = nullptr;  // the submission stack's link
+  request_kind kind = request_kind::call;
+  engine* eng = nullptr;
+  std::shared_ptr<endpoint_state> endpoint;
+  std::shared_ptr<listener_state> listener;
+  std::vector<std::shared_ptr<region_state>> regions;  // held until the request ends
+  std::vector<member> members;
+  std::size_t members_left = 0;
+  put_completion completion = put_completion::landed;
+  bool has_deadline = false;
+  bool deadline_passed = false;
+  ferry::detail::clock::time_point deadline{};
+  request_timer timer;
+  int flushes = 0;  // the flush that ends a landed put batch or comes before a notification
+  std::uint64_t value = 0;
+  std::uint64_t* value_out = nullptr;
+  std::function<std::error_code()> call;
+  std::shared_ptr<endpoint_state>* endpoint_out = nullptr;  // accept, connect
+  // connect
+  std::string host;
+  std::uint16_t port = 0;
+  std::vector<std::byte> hello;  // what this side tells the peer
+  alignas(8) unsigned char header[64];  // an active message's header, which UCX may read later
+};
+
+}  // namespace ferry::ucx::detail

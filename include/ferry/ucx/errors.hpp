@@ -1,0 +1,85 @@
+#pragma once
+// The UCX backend's error codes. A request UCX failed carries its ucs_status_t in ucs_category(), so
+// the code reads as UCX's own text ("Endpoint timeout", "Connection reset by remote peer"). What the
+// backend itself decides is a ferry::ucx::errc.
+
+#include <ucs/type/status.h>
+
+#include <string>
+#include <system_error>
+
+#include "ferry/detail/error_category.hpp"
+
+namespace ferry::ucx {
+
+enum class errc : int {
+  deadline_exceeded = 1,  // the request's deadline passed: its endpoint was closed to end it
+  endpoint_closed,        // the endpoint was closed (by close(), or to end another request)
+  outside_region,         // a local or remote range is not inside its region
+  length_mismatch,        // local and remote ranges differ in length
+  bad_descriptor,         // bytes that are not a ferry UCX descriptor (region or worker address)
+  handshake_failed,       // connecting by host and port did not complete the region exchange
+  peer_gone,              // the peer's process has exited (a same-host peer, checked by pid)
+  worker_closed,          // the worker was destroyed while the request was queued
+  not_executor_safe,      // a blocking call made on the executor's own thread
+};
+
+[[nodiscard]] constexpr const char* describe(errc e) noexcept {
+  switch (e) {
+    case errc::deadline_exceeded:
+      return "deadline passed before UCX completed the request; its endpoint was force-closed so "
+             "that UCX let go of the request's buffers";
+    case errc::endpoint_closed:
+      return "endpoint was closed (by close(), or force-closed to end a request whose deadline "
+             "passed) before the request completed";
+    case errc::outside_region: return "range is not inside its memory region";
+    case errc::length_mismatch: return "local and remote ranges of a get or put differ in length";
+    case errc::bad_descriptor:
+      return "bytes are not a ferry UCX descriptor (wrong magic, version, length or checksum)";
+    case errc::handshake_failed:
+      return "connecting by host and port did not complete the exchange of regions with the peer";
+    case errc::peer_gone:
+      return "the peer's process on this host has exited (shared memory reports success into a "
+             "dead peer's segment, so ferry checks the peer's pid)";
+    case errc::worker_closed: return "UCX worker was destroyed while the request was still queued";
+    case errc::not_executor_safe:
+      return "blocking UCX call made on the progress executor's own thread, which must progress "
+             "the worker for it to finish";
+  }
+  return nullptr;
+}
+
+[[nodiscard]] inline const std::error_category& ucx_category() noexcept {
+  return ferry::detail::error_category_of<errc, describe>("ferry::ucx");
+}
+
+[[nodiscard]] inline std::error_code make_error_code(errc e) noexcept {
+  return {static_cast<int>(e), ucx_category()};
+}
+
+namespace detail {
+
+class ucs_category_impl final : public std::error_category {
+ public:
+  [[nodiscard]] const char* name() const noexcept override { return "ucs_status"; }
+  [[nodiscard]] std::string message(int value) const override {
+    return std::string("UCX: ") + ::ucs_status_string(static_cast<ucs_status_t>(value));
+  }
+};
+
+}  // namespace detail
+
+// ucs_status_t values, as UCX reports them (negative).
+[[nodiscard]] inline const std::error_category& ucs_category() noexcept {
+  static const detail::ucs_category_impl category;
+  return category;
+}
+
+[[nodiscard]] inline std::error_code status_error(ucs_status_t s) noexcept {
+  return {static_cast<int>(s), ucs_category()};
+}
+
+}  // namespace ferry::ucx
+
+template <>
+struct std::is_error_code_enum<ferry::ucx::errc> : std::true_type {};

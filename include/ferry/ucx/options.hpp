@@ -1,0 +1,36 @@
+#pragma once
+// How a UCX worker is configured, in code: UCX reads its UCX_* environment variables first, and
+// these override them.
+
+#include <chrono>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace ferry::ucx {
+
+struct worker_options {
+  // UCX's TLS setting: "tcp", "shm", "tcp,shm", "all", ... Connecting by host and port needs tcp
+  // among them (UCX's connection manager runs over sockets).
+  std::string transports = "tcp,shm";
+  // UCX's NET_DEVICES (e.g. "lo", "mlx5_0:1"); empty leaves UCX's choice.
+  std::string devices;
+  // Peer failure handling on every endpoint (UCP_ERR_HANDLING_MODE_PEER): a peer that dies fails
+  // the requests it strands instead of leaving them pending, and a request's deadline can
+  // force-close its endpoint. With it, shared memory needs MM_ERROR_HANDLING=y (set here unless the
+  // extra settings below say otherwise), or UCX refuses every shared-memory lane.
+  bool peer_error_handling = true;
+  // UCX's KEEPALIVE_INTERVAL: how soon a dead peer is noticed where nothing else tells (shared
+  // memory: UCX's default is 20 s). 0 leaves UCX's default.
+  std::chrono::milliseconds keepalive = std::chrono::seconds(1);
+  // Any other UCX setting, by its name without the UCX_ prefix ("RNDV_THRESH", "8k").
+  std::vector<std::pair<std::string, std::string>> settings;
+};
+
+// What a get or put's transfer waits for.
+enum class put_completion {
+  landed,           // the data is in the peer's memory (the put, then a flush of the endpoint)
+  source_reusable,  // only that the source buffer may be reused: faster, says nothing of the peer
+};
+
+}  // namespace ferry::ucx

@@ -1,0 +1,138 @@
+#pragma once
+// What a peer hands over, as bytes the user carries on a channel of their own: a region of its
+// registered memory (address, length and UCX's packed remote key), and how to reach its worker.
+// Both serialise to a small framed record (magic, version, length, checksum), so bytes that are not
+// one are refused with errc::bad_descriptor instead of reaching UCX, which does not check them.
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include "ferry/ucx/errors.hpp"
+
+namespace ferry::ucx {
+
+namespace detail {
+
+inline constexpr std::uint32_t region_magic = 0x47525846;   // "FXRG"
+inline constexpr std::uint32_t address_magic = 0x41575846;  // "FXWA"
+inline constexpr std::uint16_t descriptor_version = 1;
+
+inline std::uint32_t fnv1a(std::span<const std::byte> bytes) noexcept {
+  std::uint32_t h = 2166136261u;
+  for (std::byte b : bytes) {
+    h ^= static_cast<std::uint32_t>(b);
+    h *= 16777619u;
+  }
+  return h;
+}
+
+// Little helpers for a framed record: fields in host order (peers share the byte order: UCX's own
+// packed keys and addresses assume it too).
+class record_writer {
+ public:
+  template <class T>
+  void put(const T& v) {
+    const auto* p = reinterpret_cast<const std::byte*>(&v);
+    bytes_.insert(bytes_.end(), p, p + sizeof v);
+  }
+  void put_bytes(std::span<const std::byte> b) { bytes_.insert(bytes_.end(), b.begin(), b.end()); }
+  std::vector<std::byte> finish() {
+    const std::uint32_t sum = fnv1a(bytes_);
+    put(sum);
+    return std::move(bytes_);
+  }
+
+ private:
+  std::vector<std::byte> bytes_;
+};
+
+class record_reader {
+ public:
+  record_reader(std::span<const std::byte> bytes, std::uint32_t magic, const char* what)
+      : bytes_(bytes), what_(what) {
+    std::uint32_t sum = 0;
+    if (bytes.size() < sizeof(std::uint32_t) * 2 + sizeof(std::uint16_t)) fail("too short");
+    std::memcpy(&sum, bytes.data() + bytes.size() - sizeof sum, sizeof sum);
+    if (sum != fnv1a(bytes.first(bytes.size() - sizeof sum))) fail("checksum does not match");
+    bytes_ = bytes.first(bytes.size() - sizeof sum);
+    if (get<std::uint32_t>() != magic) fail("wrong magic");
+    if (get<std::uint16_t>() != descriptor_version) fail("unknown version");
+  }
+  template <class T>
+  T get() {
+    T v{};
+    if (bytes_.size() < sizeof v) fail("truncated");
+    std::memcpy(&v, bytes_.data(), sizeof v);
+    bytes_ = bytes_.subspan(sizeof v);
+    return v;
+  }
+  std::vector<std::byte> get_bytes(std::size_t n) {
+    if (bytes_.size() < n) fail("truncated");
+    std::vector<std::byte> out(bytes_.begin(), bytes_.begin() + static_cast<std::ptrdiff_t>(n));
+    bytes_ = bytes_.subspan(n);
+    return out;
+  }
+  void done() {
+    if (!bytes_.empty()) fail("has trailing bytes");
+  }
+
+ private:
+  [[noreturn]] void fail(const char* why) const {
+    throw std::system_error(make_error_code(errc::bad_descriptor),
+                            std::string("ferry::ucx: ") + what_ + " " + why);
+  }
+  std::span<const std::byte> bytes_;
+  const char* what_;
+};
+
+}  // namespace detail
+
+// A range of a peer's region.
+struct remote_slice {
+  std::uint64_t address = 0;
+  std::uint64_t length = 0;
+  std::size_t region = 0;  // index into the endpoint's peer regions (see endpoint::peer_region)
+};
+
+// A peer's registered region: where it is in the peer's address space and its packed remote key.
+struct remote_region {
+  std::uint64_t address = 0;
+  std::uint64_t length = 0;
+  std::vector<std::byte> packed_key;
+
+  [[nodiscard]] std::vector<std::byte> to_bytes() const {
+    detail::record_writer w;
+    w.put(detail::region_magic);
+    w.put(detail::descriptor_version);
+    w.put(address);
+    w.put(length);
+    w.put(static_cast<std::uint32_t>(packed_key.size()));
+    w.put_bytes(packed_key);
+    return w.finish();
+  }
+
+  // Throws std::system_error (errc::bad_descriptor) for bytes that are not a region descriptor.
+  [[nodiscard]] static remote_region from_bytes(std::span<const std::byte> bytes) {
+    detail::record_reader r(bytes, detail::region_magic, "remote region descriptor");
+    remote_region out;
+    out.address = r.get<std::uint64_t>();
+    out.length = r.get<std::uint64_t>();
+    const auto key_bytes = r.get<std::uint32_t>();
+    if (key_bytes == 0 || key_bytes > 4096) {
+      throw std::system_error(make_error_code(errc::bad_descriptor),
+                              "ferry::ucx: remote region descriptor has a packed key of " +
+                                  std::to_string(key_bytes) + " bytes");
+    }
+    out.packed_key = r.get_bytes(key_bytes);
+    r.done();
+    return out;
+  }
+};
+
+}  // namespace ferry::ucx

@@ -1,0 +1,493 @@
+#pragma once
+// The UCX backend's objects: a worker registered with a progress executor, the memory it maps, the
+// endpoints it connects and the listener that accepts them. What runs on the executor is in
+// detail/engine.hpp; everything here prepares a request on the caller's thread and publishes it.
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include "ferry/detail/timeout.hpp"
+#include "ferry/errors.hpp"
+#include "ferry/progress_executor.hpp"
+#include "ferry/transfer.hpp"
+#include "ferry/ucx/detail/endpoint_state.hpp"
+#include "ferry/ucx/detail/engine.hpp"
+#include "ferry/ucx/detail/request.hpp"
+#include "ferry/ucx/errors.hpp"
+#include "ferry/ucx/memory_region.hpp"
+#include "ferry/ucx/options.hpp"
+#include "ferry/ucx/remote.hpp"
+
+namespace ferry::ucx {
+
+class worker;
+
+// A peer's region imported on an endpoint: slice() gives the ranges gets and puts name.
+struct remote_memory {
+  std::uint64_t address = 0;
+  std::uint64_t length = 0;
+  std::uint32_t index = 0;
+
+  // Throws std::out_of_range when [offset, offset + n) is not inside the region.
+  [[nodiscard]] remote_slice slice(std::uint64_t offset, std::uint64_t n) const {
+    if (offset > length || n > length - offset) {
+      throw std::out_of_range("ferry::ucx::remote_memory::slice: bytes [" + std::to_string(offset) +
+                              ", " + std::to_string(offset) + " + " + std::to_string(n) +
+                              ") are outside the peer's region of " + std::to_string(length) +
+                              " bytes");
+    }
+    return {address + offset, n, index};
+  }
+};
+
+// One get or put of a batch.
+struct rma_block {
+  local_slice local;
+  remote_slice remote;
+};
+
+namespace detail {
+
+template <class Rep, class Period>
+void set_deadline(request& r, std::chrono::duration<Rep, Period> timeout) {
+  const ferry::detail::timeout t = ferry::detail::make_timeout(timeout);
+  if (t.is_bounded() || t.is_look()) {
+    r.has_deadline = true;
+    r.deadline = t.is_look() ? ferry::detail::clock::now() : t.deadline();
+  }
+}
+
+// Runs f() on the executor thread and waits for it. Refused on that thread itself (the executor
+// must progress the worker for the call to finish).
+template <class F>
+void on_executor(engine& e, const std::string& what, F f) {
+  if (e.executor().on_executor_thread()) {
+    throw std::system_error(make_error_code(errc::not_executor_safe), what);
+  }
+  auto* r = new request;
+  r->kind = request_kind::call;
+  r->eng = &e;
+  r->call = std::move(f);
+  r->members.resize(1);
+  r->members[0].owner = r;
+  r->members_left = 1;
+  transfer t(ferry::detail::adopt, engine::attach(r->members[0]));
+  e.publish(r);
+  (void)t.wait();
+  if (t.state() != transfer_state::success) throw std::system_error(t.error(), what);
+}
+
+}  // namespace detail
+
+// An endpoint to one peer. Copies share it; the last copy to go closes it.
+class endpoint {
+ public:
+  endpoint() = default;
+
+  // The regions the peer exposed when connecting by host and port (in its order).
+  [[nodiscard]] std::vector<remote_memory> peer_regions() const {
+    std::vector<remote_memory> out;
+    for (std::size_t i = 0; i < state()->peer_regions.size(); ++i) {
+      const remote_region& r = state()->peer_regions[i];
+      out.push_back({r.address, r.length, static_cast<std::uint32_t>(i)});
+    }
+    return out;
+  }
+
+  // Imports a region a peer described (remote_region::from_bytes of the bytes it sent): its key is
+  // unpacked on this endpoint once, at first use. Blocks until the executor has it.
+  [[nodiscard]] remote_memory import(const remote_region& region) {
+    std::uint32_t index = 0;
+    std::shared_ptr<detail::endpoint_state> s = state_;
+    detail::engine& e = *s->eng;
+    detail::on_executor(e, "ferry::ucx::endpoint::import", [&]() -> std::error_code {
+      return e.import_region(*s, region, index);
+    });
+    return {region.address, region.length, index};
+  }
+
+  // Why the endpoint carries nothing more; empty while it does.
+  [[nodiscard]] std::error_code error() const { return state()->failure(); }
+
+  // One-sided put of `src` into the peer's `dst` (same length). With put_completion::landed (the
+  // default) the transfer ends once the data is in the peer's memory. `timeout` (negative: none)
+  // bounds the request: past it the endpoint is force-closed, which ends every request on it.
+  template <class Rep = std::int64_t, class Period = std::nano>
+  [[nodiscard]] transfer put(local_slice src, remote_slice dst,
+                             std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1),
+                             put_completion completion = put_completion::landed) {
+    transfer out;
+    const rma_block b{src, dst};
+    submit(detail::request_kind::put, std::span(&b, 1), std::span(&out, 1), timeout, completion);
+    return out;
+  }
+
+  // One-sided get of the peer's `src` into `dst` (same length).
+  template <class Rep = std::int64_t, class Period = std::nano>
+  [[nodiscard]] transfer get(local_slice dst, remote_slice src,
+                             std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {
+    transfer out;
+    const rma_block b{dst, src};
+    submit(detail::request_kind::get, std::span(&b, 1), std::span(&out, 1), timeout,
+           put_completion::landed);
+    return out;
+  }
+
+  // A batch with one deadline: out[i] is blocks[i]'s transfer. A landed put batch is flushed once.
+  template <class Rep = std::int64_t, class Period = std::nano>
+  void put_batch(std::span<const rma_block> blocks, std::span<transfer> out,
+                 std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1),
+                 put_completion completion = put_completion::landed) {
+    submit(detail::request_kind::put, blocks, out, timeout, completion);
+  }
+
+  template <class Rep = std::int64_t, class Period = std::nano>
+  void get_batch(std::span<const rma_block> blocks, std::span<transfer> out,
+                 std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {
+    submit(detail::request_kind::get, blocks, out, timeout, put_completion::landed);
+  }
+
+  // Sends `value` once every put sent before it on this endpoint has landed (a flush, then an
+  // active message), so the peer's receive_notification tells it that its data is there.
+  template <class Rep = std::int64_t, class Period = std::nano>
+  [[nodiscard]] transfer send_notification(std::uint64_t value,
+      std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {
+    auto [r, t] = make(detail::request_kind::notify, 1);
+    r->value = value;
+    detail::set_deadline(*r, timeout);
+    publish(r.release());
+    return std::move(t[0]);
+  }
+
+  // The next notification the peer sent, in order; `value` is written before the transfer succeeds,
+  // so it must stay valid until the transfer is terminal. A peer that dies fails the wait (UCX's
+  // keepalive notices a dead peer where nothing else is in flight; worker_options::keepalive).
+  template <class Rep = std::int64_t, class Period = std::nano>
+  [[nodiscard]] transfer receive_notification(std::uint64_t& value,
+      std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {
+    auto [r, t] = make(detail::request_kind::wait_notification, 1);
+    r->value_out = &value;
+    detail::set_deadline(*r, timeout);
+    publish(r.release());
+    return std::move(t[0]);
+  }
+
+  // Force-closes the endpoint: every request out on it fails with errc::endpoint_closed.
+  void close() {
+    if (!state_) return;
+    auto [r, t] = make(detail::request_kind::close, 1);
+    publish(r.release());
+    if (!state_->eng->executor().on_executor_thread()) (void)t[0].wait();
+  }
+
+  endpoint(const endpoint&) = default;
+  endpoint& operator=(const endpoint&) = default;
+  endpoint(endpoint&&) noexcept = default;
+  endpoint& operator=(endpoint&&) noexcept = default;
+  ~endpoint() = default;
+
+ private:
+  friend class worker;
+  friend class listener;
+
+  explicit endpoint(std::shared_ptr<detail::endpoint_state> s, std::shared_ptr<void> last)
+      : state_(std::move(s)), last_(std::move(last)) {}
+
+  [[nodiscard]] const std::shared_ptr<detail::endpoint_state>& state() const {
+    if (!state_) throw std::logic_error("ferry::ucx::endpoint: empty endpoint");
+    return state_;
+  }
+
+  std::pair<std::unique_ptr<detail::request>, std::vector<transfer>> make(detail::request_kind k,
+                                                                          std::size_t n) const {
+    auto r = std::make_unique<detail::request>();
+    r->kind = k;
+    r->eng = state()->eng;
+    r->endpoint = state_;
+    r->members.resize(n);
+    r->members_left = n;
+    std::vector<transfer> t;
+    t.reserve(n);
+    for (detail::member& m : r->members) {
+      m.owner = r.get();
+      t.emplace_back(ferry::detail::adopt, detail::engine::attach(m));
+    }
+    return {std::move(r), std::move(t)};
+  }
+
+  void publish(detail::request* r) const noexcept { r->eng->publish(r); }
+
+  template <class Rep, class Period>
+  void submit(detail::request_kind k, std::span<const rma_block> blocks, std::span<transfer> out,
+              std::chrono::duration<Rep, Period> timeout, put_completion completion) {
+    if (out.size() != blocks.size()) {
+      throw std::invalid_argument("ferry::ucx::endpoint: " + std::to_string(blocks.size()) +
+                                  " blocks but " + std::to_string(out.size()) + " transfers");
+    }
+    if (blocks.empty()) return;
+    // Refusals are decided here, before anything is published: a failed transfer names what.
+    std::vector<std::error_code> refused(blocks.size());
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+      const rma_block& b = blocks[i];
+      if (b.local.region == nullptr || !*b.local.region) {
+        refused[i] = make_error_code(errc::outside_region);
+      } else if (b.local.length != b.remote.length) {
+        refused[i] = make_error_code(errc::length_mismatch);
+      } else if (b.local.offset > b.local.region->bytes().size() ||
+                 b.local.length > b.local.region->bytes().size() - b.local.offset) {
+        refused[i] = make_error_code(errc::outside_region);
+      }
+    }
+    if (const std::error_code f = state()->failure()) {
+      for (auto& r : refused) r = f;
+    }
+    std::size_t accepted = 0;
+    for (const auto& r : refused) accepted += r ? 0 : 1;
+    auto [r, t] = make(k, accepted);
+    r->completion = completion;
+    detail::set_deadline(*r, timeout);
+    std::size_t j = 0;
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+      if (refused[i]) {
+        out[i] = make_completed_transfer(transfer_state::failed, refused[i]);
+        continue;
+      }
+      const rma_block& b = blocks[i];
+      detail::member& m = r->members[j];
+      const auto& region = b.local.region->state();
+      m.local = region->base + b.local.offset;
+      m.length = b.local.length;
+      m.memh = region->memh;
+      m.remote_address = b.remote.address;
+      m.remote_index = b.remote.region;
+      if (r->regions.empty() || r->regions.back() != region) r->regions.push_back(region);
+      out[i] = std::move(t[j]);
+      ++j;
+    }
+    if (accepted == 0) return;
+    publish(r.release());
+  }
+
+  std::shared_ptr<detail::endpoint_state> state_;
+  std::shared_ptr<void> last_;  // the last handle's close
+};
+
+class listener;
+
+// A UCX context and worker, progressed by `exec` alone.
+class worker {
+ public:
+  explicit worker(progress_executor& exec, worker_options options = {})
+      : engine_(std::make_unique<detail::engine>(exec, options)) {
+    exec.add_source(*engine_);
+  }
+  worker(const worker&) = delete;
+  worker& operator=(const worker&) = delete;
+
+  // Every endpoint and listener of this worker must be gone; requests still queued fail with
+  // errc::worker_closed. Memory regions may outlive it (they keep the context).
+  ~worker() {
+    engine_->executor().remove_source(*engine_);
+    if (const int open = open_handles_.load(); open != 0) {
+      std::fprintf(stderr,
+                   "ferry: ucx::worker destroyed with %d endpoint or listener handle(s) still "
+                   "open on it; destroy them before their worker\n",
+                   open);
+      std::abort();
+    }
+  }
+
+  // This worker's address, as bytes for the user's own channel: a peer passes them to connect().
+  [[nodiscard]] std::vector<std::byte> address() const {
+    detail::record_writer w;
+    w.put(detail::address_magic);
+    w.put(detail::descriptor_version);
+    w.put(engine_->self());
+    const auto& a = engine_->ucx_address();
+    w.put(static_cast<std::uint32_t>(a.size()));
+    w.put_bytes(a);
+    return w.finish();
+  }
+
+  // Registers user memory (it must outlive the region).
+  [[nodiscard]] memory_region register_memory(std::span<std::byte> memory) {
+    return memory_region(detail::map_region(engine_->context(), memory.data(), memory.size(), false));
+  }
+
+  // Memory UCX allocates: over shared memory a peer reaches it directly, without emulation.
+  [[nodiscard]] memory_region allocate(std::size_t bytes) {
+    return memory_region(detail::map_region(engine_->context(), nullptr, bytes, true));
+  }
+
+  // An endpoint to the peer whose address() bytes the user carried over. Both sides usually connect
+  // to each other: a side receives notifications only from peers it has an endpoint to.
+  [[nodiscard]] endpoint connect(std::span<const std::byte> peer_address) {
+    detail::record_reader r(peer_address, detail::address_magic, "worker address");
+    const auto peer = r.get<detail::peer_identity>();
+    const auto n = r.get<std::uint32_t>();
+    const std::vector<std::byte> ucx = r.get_bytes(n);
+    r.done();
+    auto s = std::make_shared<detail::endpoint_state>();
+    s->peer = peer;
+    detail::engine& e = *engine_;
+    detail::on_executor(e, "ferry::ucx::worker::connect", [&] { return e.make_endpoint(s, ucx); });
+    return wrap(std::move(s));
+  }
+
+  // Connects to a listener at host:port through UCX's connection manager, telling the peer the
+  // regions in `expose`; returns once the peer has told its own (endpoint::peer_regions).
+  template <class Rep = std::int64_t, class Period = std::nano>
+  [[nodiscard]] endpoint connect(const std::string& host, std::uint16_t port,
+                                 std::span<const memory_region> expose,
+                                 std::chrono::duration<Rep, Period> timeout = std::chrono::seconds(10)) {
+    if (engine_->executor().on_executor_thread()) {
+      throw std::system_error(make_error_code(errc::not_executor_safe), "ferry::ucx::worker::connect");
+    }
+    auto r = std::make_unique<detail::request>();
+    r->kind = detail::request_kind::connect;
+    r->eng = engine_.get();
+    r->endpoint = std::make_shared<detail::endpoint_state>();
+    r->host = host;
+    r->port = port;
+    r->hello = hello(expose);
+    std::shared_ptr<detail::endpoint_state> out;
+    r->endpoint_out = &out;
+    detail::set_deadline(*r, timeout);
+    r->members.resize(1);
+    r->members[0].owner = r.get();
+    r->members_left = 1;
+    transfer t(ferry::detail::adopt, detail::engine::attach(r->members[0]));
+    std::shared_ptr<detail::endpoint_state> keep = r->endpoint;
+    engine_->publish(r.release());
+    (void)t.wait();
+    if (t.state() != transfer_state::success) {
+      throw std::system_error(t.error(), "ferry::ucx::worker::connect to " + host + ":" +
+                                             std::to_string(port));
+    }
+    return wrap(std::move(out));
+  }
+
+  // Listens on host:port (port 0: any free one; listener::port tells which), telling each peer
+  // that connects the regions in `expose`.
+  [[nodiscard]] listener listen(const std::string& host, std::uint16_t port,
+                                std::span<const memory_region> expose);
+
+  // The completion source, for the executor only.
+  [[nodiscard]] detail::engine& engine() noexcept { return *engine_; }
+
+ private:
+  friend class listener;
+
+  static std::vector<std::byte> hello(std::span<const memory_region> expose) {
+    std::vector<remote_region> regions;
+    for (const memory_region& m : expose) regions.push_back(m.describe());
+    return detail::encode_regions(regions);
+  }
+
+  endpoint wrap(std::shared_ptr<detail::endpoint_state> s) {
+    open_handles_.fetch_add(1);
+    detail::engine* e = engine_.get();
+    std::atomic<int>* open = &open_handles_;
+    std::shared_ptr<detail::endpoint_state> target = s;
+    // Closes the endpoint on the executor when the last handle goes.
+    std::shared_ptr<void> last(static_cast<void*>(s.get()), [e, open, target](void*) mutable {
+      auto* r = new (std::nothrow) detail::request;
+      if (r != nullptr) {
+        r->kind = detail::request_kind::close;
+        r->eng = e;
+        r->endpoint = std::move(target);
+        e->publish(r);
+      }
+      open->fetch_sub(1);
+    });
+    return endpoint(std::move(s), std::move(last));
+  }
+
+  std::unique_ptr<detail::engine> engine_;
+  std::atomic<int> open_handles_{0};
+};
+
+class listener {
+ public:
+  [[nodiscard]] std::uint16_t port() const noexcept { return state_->port; }
+
+  // The next peer that connected and told its regions; waits up to `timeout`.
+  template <class Rep = std::int64_t, class Period = std::nano>
+  [[nodiscard]] endpoint accept(std::chrono::duration<Rep, Period> timeout = std::chrono::seconds(10)) {
+    detail::engine& e = owner_->engine();
+    if (e.executor().on_executor_thread()) {
+      throw std::system_error(make_error_code(errc::not_executor_safe), "ferry::ucx::listener::accept");
+    }
+    auto r = std::make_unique<detail::request>();
+    r->kind = detail::request_kind::accept;
+    r->eng = &e;
+    r->listener = state_;
+    std::shared_ptr<detail::endpoint_state> out;
+    r->endpoint_out = &out;
+    detail::set_deadline(*r, timeout);
+    r->members.resize(1);
+    r->members[0].owner = r.get();
+    r->members_left = 1;
+    transfer t(ferry::detail::adopt, detail::engine::attach(r->members[0]));
+    e.publish(r.release());
+    (void)t.wait();
+    if (t.state() != transfer_state::success) {
+      throw std::system_error(t.error(), "ferry::ucx::listener::accept");
+    }
+    return owner_->wrap(std::move(out));
+  }
+
+  listener(listener&& other) noexcept
+      : owner_(other.owner_), state_(std::move(other.state_)) {}
+  listener(const listener&) = delete;
+  listener& operator=(const listener&) = delete;
+  listener& operator=(listener&&) = delete;
+
+  ~listener() {
+    if (!state_) return;
+    detail::engine& e = owner_->engine();
+    std::shared_ptr<detail::listener_state> s = state_;
+    try {
+      detail::on_executor(e, "ferry::ucx::listener::~listener", [&e, s]() -> std::error_code {
+        e.close_listener(*s);
+        return {};
+      });
+    } catch (...) {
+      // On the executor's own thread, or out of memory: the worker closes it when it goes.
+    }
+    owner_->open_handles_.fetch_sub(1);
+  }
+
+ private:
+  friend class worker;
+  listener(worker* owner, std::shared_ptr<detail::listener_state> s) noexcept
+      : owner_(owner), state_(std::move(s)) {}
+
+  worker* owner_;
+  std::shared_ptr<detail::listener_state> state_;
+};
+
+inline listener worker::listen(const std::string& host, std::uint16_t port,
+                               std::span<const memory_region> expose) {
+  auto s = std::make_shared<detail::listener_state>();
+  s->hello = hello(expose);
+  detail::engine& e = *engine_;
+  detail::on_executor(e, "ferry::ucx::worker::listen on " + host + ":" + std::to_string(port),
+                      [&] { return e.make_listener(s, host, port); });
+  open_handles_.fetch_add(1);
+  return listener(this, std::move(s));
+}
+
+}  // namespace ferry::ucx

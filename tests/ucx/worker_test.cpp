@@ -1,0 +1,356 @@
+// The UCX backend against real UCX: two workers in one process (each on its own executor, as two
+// processes would be), over TCP and over shared memory, and two processes (fork) for a peer that
+// dies.
+
+#include <catch2/catch.hpp>
+
+#include <sys/wait.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <ferry/ferry.hpp>
+#include <ferry/ucx.hpp>
+
+#include "helpers.hpp"
+
+using namespace ferry_test;
+using ferry::transfer_state;
+namespace ucx = ferry::ucx;
+
+namespace {
+
+ucx::worker_options over(const std::string& transports) {
+  ucx::worker_options o;
+  o.transports = transports;
+  return o;
+}
+
+// One side: its own executor and worker, as a process of its own would have.
+struct side {
+  explicit side(const std::string& transports) : exec(), worker(exec, over(transports)) {}
+  ferry::progress_executor exec;
+  ucx::worker worker;
+};
+
+std::vector<std::byte> random_bytes(std::size_t n, unsigned seed) {
+  std::vector<std::byte> v(n);
+  std::minstd_rand r(seed);
+  for (auto& b : v) b = static_cast<std::byte>(r());
+  return v;
+}
+
+// Two sides joined both ways by worker address; `b` exposes a region `a` imports.
+struct pair {
+  explicit pair(const std::string& transports, std::size_t region_bytes = 1 << 20,
+                bool ucx_memory = false)
+      : a(transports), b(transports) {
+    ab = a.worker.connect(b.worker.address());
+    ba = b.worker.connect(a.worker.address());
+    target = ucx_memory ? b.worker.allocate(region_bytes)
+                        : b.worker.register_memory(std::span(target_bytes = std::vector<std::byte>(region_bytes)));
+    local_bytes.resize(region_bytes);
+    local = a.worker.register_memory(local_bytes);
+    remote = ab.import(ucx::remote_region::from_bytes(target.describe().to_bytes()));
+  }
+  side a, b;
+  ucx::endpoint ab, ba;
+  std::vector<std::byte> target_bytes, local_bytes;
+  ucx::memory_region target, local;
+  ucx::remote_memory remote;
+};
+
+}  // namespace
+
+TEST_CASE("ucx: descriptors round-trip and bad bytes are refused by name", "[ucx]") {
+  const ucx::remote_region r{0x1000, 4096, {std::byte{1}, std::byte{2}, std::byte{3}}};
+  const auto bytes = r.to_bytes();
+  const auto back = ucx::remote_region::from_bytes(bytes);
+  CHECK(back.address == r.address);
+  CHECK(back.length == r.length);
+  CHECK(back.packed_key == r.packed_key);
+  auto bad = bytes;
+  bad[10] ^= std::byte{0xff};
+  try {
+    (void)ucx::remote_region::from_bytes(bad);
+    FAIL("corrupt descriptor accepted");
+  } catch (const std::system_error& e) {
+    CHECK(e.code() == ucx::errc::bad_descriptor);
+    CHECK(std::string(e.what()).find("checksum") != std::string::npos);
+  }
+  std::vector<std::byte> garbage(40, std::byte{0xab});
+  CHECK_THROWS_AS(ucx::remote_region::from_bytes(garbage), std::system_error);
+}
+
+TEST_CASE("ucx: put and get are byte-exact from 8 B to 64 MiB, and a landed put is in the peer's "
+          "memory when its transfer ends",
+          "[ucx][concurrency]") {
+  for (const char* transports : {"tcp", "shm"}) {
+    CAPTURE(transports);
+    pair p(transports, std::size_t{64} << 20, std::string(transports) == "shm");
+    for (std::size_t n : {std::size_t{8}, std::size_t{4096}, std::size_t{1} << 20,
+                          std::size_t{64} << 20}) {
+      CAPTURE(n);
+      const auto data = random_bytes(n, static_cast<unsigned>(n));
+      std::memcpy(p.local_bytes.data(), data.data(), n);
+      auto t = p.ab.put(p.local.slice(0, n), p.remote.slice(0, n), 60s);
+      REQUIRE(t.wait_for(hang_bound * 6) == transfer_state::success);
+      CHECK(std::memcmp(p.target.bytes().data(), data.data(), n) == 0);
+      std::memset(p.local_bytes.data(), 0, n);
+      auto g = p.ab.get(p.local.slice(0, n), p.remote.slice(0, n), 60s);
+      REQUIRE(g.wait_for(hang_bound * 6) == transfer_state::success);
+      CHECK(std::memcmp(p.local_bytes.data(), data.data(), n) == 0);
+    }
+  }
+}
+
+TEST_CASE("ucx: a notification arrives after the puts sent before it have landed",
+          "[ucx][concurrency]") {
+  pair p("tcp");
+  constexpr std::size_t block = 64 * 1024;
+  constexpr std::size_t blocks = 16;
+  const auto data = random_bytes(block * blocks, 7);
+  std::memcpy(p.local_bytes.data(), data.data(), data.size());
+  std::vector<ucx::rma_block> b;
+  for (std::size_t i = 0; i < blocks; ++i) {
+    b.push_back({p.local.slice(i * block, block), p.remote.slice(i * block, block)});
+  }
+  std::vector<ferry::transfer> ts(blocks);
+  std::uint64_t got = 0;
+  auto wait = p.ba.receive_notification(got, 30s);
+  p.ab.put_batch(b, ts, 30s, ucx::put_completion::source_reusable);
+  auto sent = p.ab.send_notification(42, 30s);
+  REQUIRE(wait.wait_for(hang_bound) == transfer_state::success);
+  CHECK(got == 42);
+  CHECK(std::memcmp(p.target.bytes().data(), data.data(), data.size()) == 0);
+  CHECK(sent.wait_for(hang_bound) == transfer_state::success);
+  CHECK(ferry::wait_all(ts, hang_bound).verdict == ferry::verdict::success);
+}
+
+TEST_CASE("ucx: 10^4 requests in flight all end, byte-exact", "[ucx][concurrency]") {
+  pair p("tcp", 10000 * 64);
+  const auto data = random_bytes(10000 * 64, 3);
+  std::memcpy(p.local_bytes.data(), data.data(), data.size());
+  std::vector<ferry::transfer> ts;
+  ts.reserve(10000);
+  for (std::size_t i = 0; i < 10000; ++i) {
+    ts.push_back(p.ab.put(p.local.slice(i * 64, 64), p.remote.slice(i * 64, 64), 60s));
+  }
+  CHECK(ferry::wait_all(ts, 60s).verdict == ferry::verdict::success);
+  CHECK(std::memcmp(p.target.bytes().data(), data.data(), data.size()) == 0);
+}
+
+TEST_CASE("ucx: bad ranges fail with errors that name them, before reaching UCX", "[ucx]") {
+  pair p("tcp", 4096);
+  CHECK_THROWS_AS(p.remote.slice(4000, 200), std::out_of_range);
+  CHECK_THROWS_AS(p.local.slice(4000, 200), std::out_of_range);
+  // A slice made up past the region (UCX itself would write there without a word).
+  const ucx::remote_slice past{p.remote.address + 4096, 64, p.remote.index};
+  auto t = p.ab.put(p.local.slice(0, 64), past, 10s);
+  REQUIRE(t.wait_for(hang_bound) == transfer_state::failed);
+  CHECK(t.error() == ucx::errc::outside_region);
+  auto m = p.ab.put(p.local.slice(0, 64), p.remote.slice(0, 32), 10s);
+  CHECK(m.error() == ucx::errc::length_mismatch);
+  // The endpoint is still good.
+  auto ok = p.ab.put(p.local.slice(0, 64), p.remote.slice(0, 64), 10s);
+  CHECK(ok.wait_for(hang_bound) == transfer_state::success);
+}
+
+TEST_CASE("ucx: by host and port, each side learns the regions the other exposes",
+          "[ucx][concurrency]") {
+  side a("tcp"), b("tcp");
+  std::vector<std::byte> mem(8192);
+  auto exposed = b.worker.register_memory(mem);
+  auto l = b.worker.listen("127.0.0.1", 0, std::span(&exposed, 1));
+  REQUIRE(l.port() != 0);
+  std::vector<std::byte> amem(8192);
+  auto amr = a.worker.register_memory(amem);
+  ucx::endpoint server_side;
+  std::thread accepter([&] { server_side = l.accept(20s); });
+  ucx::endpoint ep = a.worker.connect("127.0.0.1", l.port(), std::span(&amr, 1), 20s);
+  accepter.join();
+  const auto regions = ep.peer_regions();
+  REQUIRE(regions.size() == 1);
+  CHECK(regions[0].length == 8192);
+  REQUIRE(server_side.peer_regions().size() == 1);
+  const auto data = random_bytes(8192, 9);
+  std::memcpy(amem.data(), data.data(), data.size());
+  auto t = ep.put(amr.slice(0, 8192), regions[0].slice(0, 8192), 20s);
+  REQUIRE(t.wait_for(hang_bound) == transfer_state::success);
+  CHECK(std::memcmp(mem.data(), data.data(), data.size()) == 0);
+  std::uint64_t v = 0;
+  auto w = server_side.receive_notification(v, 20s);
+  auto s = ep.send_notification(5, 20s);
+  REQUIRE(w.wait_for(hang_bound) == transfer_state::success);
+  CHECK(v == 5);
+  CHECK(s.wait_for(hang_bound) == transfer_state::success);
+}
+
+TEST_CASE("ucx: a request's deadline force-closes its endpoint and ends every request on it",
+          "[ucx][concurrency]") {
+  pair p("tcp");
+  std::uint64_t v = 0;
+  auto w = p.ab.receive_notification(v, 50ms);  // nobody sends one
+  REQUIRE(w.wait_for(hang_bound) == transfer_state::failed);
+  CHECK(w.error() == ucx::errc::deadline_exceeded);
+  auto t = p.ab.put(p.local.slice(0, 64), p.remote.slice(0, 64), 10s);
+  CHECK(t.wait_for(hang_bound) == transfer_state::success);  // a wait's deadline closes nothing
+  p.ab.close();
+  auto after = p.ab.put(p.local.slice(0, 64), p.remote.slice(0, 64), 10s);
+  REQUIRE(after.wait_for(hang_bound) == transfer_state::failed);
+  CHECK(after.error() == ucx::errc::endpoint_closed);
+}
+
+namespace {
+
+// A target in a child process: it allocates a region, tells the parent its address and region
+// descriptor over a pipe, and progresses its worker until it is killed.
+class child_target {
+ public:
+  explicit child_target(const std::string& transports) {
+    int to_parent[2];
+    REQUIRE(::pipe(to_parent) == 0);
+    REQUIRE(::pipe(hold_) == 0);
+    pid_ = ::fork();
+    REQUIRE(pid_ >= 0);
+    if (pid_ == 0) {
+      ::close(to_parent[0]);
+      ::close(hold_[1]);
+      {
+        ferry::progress_executor exec;
+        ucx::worker w(exec, over(transports));
+        auto mem = w.allocate(std::size_t{64} << 20);
+        auto back = w.connect(read_message(hold_[0]));  // the parent's address, for keepalive
+        const auto addr = w.address();
+        const auto region = mem.describe().to_bytes();
+        write_message(to_parent[1], addr);
+        write_message(to_parent[1], region);
+        char c;
+        (void)!::read(hold_[0], &c, 1);  // until the parent kills us
+      }
+      ::_exit(0);
+    }
+    ::close(to_parent[1]);
+    ::close(hold_[0]);
+    from_child_ = to_parent[0];
+  }
+  child_target(const child_target&) = delete;
+  child_target& operator=(const child_target&) = delete;
+  ~child_target() {
+    kill(SIGKILL);
+    ::close(hold_[1]);
+    ::close(from_child_);
+  }
+
+  // Sends our address, reads the child's address and region.
+  void exchange(const std::vector<std::byte>& our_address) {
+    write_message(hold_[1], our_address);
+    address = read_message(from_child_);
+    region = read_message(from_child_);
+  }
+
+  void kill(int sig) {
+    if (pid_ <= 0) return;
+    ::kill(pid_, sig);
+    if (sig == SIGKILL) {
+      int status = 0;
+      ::waitpid(pid_, &status, 0);  // a zombie still counts as alive to shared memory
+      pid_ = -1;
+    }
+  }
+
+  std::vector<std::byte> address, region;
+
+ private:
+  static void write_message(int fd, const std::vector<std::byte>& m) {
+    const auto n = static_cast<std::uint32_t>(m.size());
+    (void)!::write(fd, &n, sizeof n);
+    (void)!::write(fd, m.data(), m.size());
+  }
+  static std::vector<std::byte> read_message(int fd) {
+    std::uint32_t n = 0;
+    if (::read(fd, &n, sizeof n) != sizeof n) return {};
+    std::vector<std::byte> m(n);
+    std::size_t got = 0;
+    while (got < n) {
+      const ssize_t r = ::read(fd, m.data() + got, n - got);
+      if (r <= 0) return {};
+      got += static_cast<std::size_t>(r);
+    }
+    return m;
+  }
+
+  pid_t pid_ = -1;
+  int hold_[2] = {-1, -1};
+  int from_child_ = -1;
+};
+
+}  // namespace
+
+TEST_CASE("ucx: a peer that dies or hangs ends every request, none stays pending", "[ucx]") {
+  std::vector<std::byte> src(std::size_t{2} << 20, std::byte{7});
+  SECTION("killed mid-batch, over tcp: every request fails") {
+    child_target child("tcp");  // forked before this process starts its threads
+    side a("tcp");
+    child.exchange(a.worker.address());
+    auto ep = a.worker.connect(child.address);
+    auto remote = ep.import(ucx::remote_region::from_bytes(child.region));
+    auto local = a.worker.register_memory(src);
+    std::vector<ucx::rma_block> blocks;
+    for (std::size_t i = 0; i < 32; ++i) {
+      blocks.push_back({local.slice(0, src.size()), remote.slice(i * src.size(), src.size())});
+    }
+    std::vector<ferry::transfer> ts(blocks.size());
+    ep.put_batch(blocks, ts, 60s);
+    child.kill(SIGKILL);
+    const auto r = ferry::drain(ts, hang_bound * 3);
+    CHECK(r.pending == 0);
+    CHECK(r.verdict == ferry::verdict::failed);
+    auto later = ep.put(local.slice(0, 64), remote.slice(0, 64), 10s);
+    CHECK(later.wait_for(hang_bound * 3) == transfer_state::failed);
+  }
+  SECTION("stopped (a hung process), over tcp: every request fails by its deadline") {
+    child_target child("tcp");  // forked before this process starts its threads
+    side a("tcp");
+    child.exchange(a.worker.address());
+    auto ep = a.worker.connect(child.address);
+    auto remote = ep.import(ucx::remote_region::from_bytes(child.region));
+    auto local = a.worker.register_memory(src);
+    auto first = ep.put(local.slice(0, 64), remote.slice(0, 64), 10s);
+    REQUIRE(first.wait_for(hang_bound) == transfer_state::success);
+    child.kill(SIGSTOP);
+    std::vector<ucx::rma_block> blocks;
+    for (std::size_t i = 0; i < 16; ++i) {
+      blocks.push_back({local.slice(0, src.size()), remote.slice(i * src.size(), src.size())});
+    }
+    std::vector<ferry::transfer> ts(blocks.size());
+    ep.put_batch(blocks, ts, 300ms);
+    const auto r = ferry::drain(ts, hang_bound);
+    CHECK(r.pending == 0);
+    for (const auto& t : ts) CHECK(t.error() == ucx::errc::deadline_exceeded);
+    CHECK(ep.error() == ucx::errc::endpoint_closed);
+  }
+  SECTION("killed, over shared memory: not reported as success") {
+    child_target child("shm");
+    side a("shm");
+    child.exchange(a.worker.address());
+    auto ep = a.worker.connect(child.address);
+    auto remote = ep.import(ucx::remote_region::from_bytes(child.region));
+    auto local = a.worker.register_memory(src);
+    auto first = ep.put(local.slice(0, 64), remote.slice(0, 64), 10s);
+    REQUIRE(first.wait_for(hang_bound) == transfer_state::success);
+    child.kill(SIGKILL);
+    auto after = ep.put(local.slice(0, 64), remote.slice(0, 64), 10s);
+    REQUIRE(after.wait_for(hang_bound * 3) == transfer_state::failed);
+    std::uint64_t v = 0;
+    auto w = ep.receive_notification(v, 30s);  // UCX's keepalive, or the pid check, ends it
+    CHECK(w.wait_for(hang_bound * 3) == transfer_state::failed);
+  }
+}
