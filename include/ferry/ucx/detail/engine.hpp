@@ -432,6 +432,7 @@ class engine {
   }
 
   void finish_all(request* r, std::error_code ec) noexcept {
+    if (r->members.empty()) return destroy(r);  // a close from an endpoint's last handle
     for (member& m : r->members) {
       if (m.status == nullptr) continue;
       m.failure = ec;
@@ -659,7 +660,9 @@ class engine {
       ::ucp_listener_destroy(l.listener);
       l.listener = nullptr;
     }
-    for (request* r : std::exchange(l.accept_waiters, {})) {
+    while (!l.accept_waiters.empty()) {
+      request* r = l.accept_waiters.front();
+      l.accept_waiters.pop_front();
       finish_all(r, make_error_code(errc::endpoint_closed));
     }
     for (const auto& e : std::vector<std::shared_ptr<endpoint_state>>(l.handshaking)) {
@@ -692,7 +695,11 @@ class engine {
         ::ucp_request_free(sp);
       }
     }
-    for (request* r : std::exchange(e.notification_waiters, {})) finish_all(r, why);
+    while (!e.notification_waiters.empty()) {
+      request* r = e.notification_waiters.front();
+      e.notification_waiters.pop_front();
+      finish_all(r, why);
+    }
     if (request* r = std::exchange(e.connect_waiter, nullptr)) {
       finish_all(r, r->deadline_passed ? make_error_code(errc::deadline_exceeded) : why);
     }
