@@ -294,19 +294,42 @@ class child_target {
 
 }  // namespace
 
+namespace {
+
+// This process's side joined to a child target: the child is forked before this side starts any
+// thread (a forked copy of UCX's threads would not run in the child).
+struct child_pair {
+  child_pair(const std::string& transports, std::span<std::byte> src)
+      : child(transports), a(transports) {
+    child.exchange(a.worker.address());
+    ep = a.worker.connect(child.address);
+    remote = ep.import(ucx::remote_region::from_bytes(child.region));
+    local = a.worker.register_memory(src);
+  }
+  // `count` blocks of all of `local`, one after another in the child's region.
+  std::vector<ucx::rma_block> blocks(std::size_t count) const {
+    std::vector<ucx::rma_block> out;
+    const std::size_t n = local.bytes().size();
+    for (std::size_t i = 0; i < count; ++i) {
+      out.push_back({local.slice(0, n), remote.slice(i * n, n)});
+    }
+    return out;
+  }
+  child_target child;
+  side a;
+  ucx::endpoint ep;
+  ucx::remote_memory remote;
+  ucx::memory_region local;
+};
+
+}  // namespace
+
 TEST_CASE("ucx: a peer that dies or hangs ends every request, none stays pending", "[ucx]") {
   std::vector<std::byte> src(std::size_t{2} << 20, std::byte{7});
   SECTION("killed mid-batch, over tcp: every request fails") {
-    child_target child("tcp");  // forked before this process starts its threads
-    side a("tcp");
-    child.exchange(a.worker.address());
-    auto ep = a.worker.connect(child.address);
-    auto remote = ep.import(ucx::remote_region::from_bytes(child.region));
-    auto local = a.worker.register_memory(src);
-    std::vector<ucx::rma_block> blocks;
-    for (std::size_t i = 0; i < 32; ++i) {
-      blocks.push_back({local.slice(0, src.size()), remote.slice(i * src.size(), src.size())});
-    }
+    child_pair p("tcp", src);
+    auto& [child, a, ep, remote, local] = p;
+    const auto blocks = p.blocks(32);
     std::vector<ferry::transfer> ts(blocks.size());
     ep.put_batch(blocks, ts, 60s);
     child.kill(SIGKILL);
@@ -317,19 +340,12 @@ TEST_CASE("ucx: a peer that dies or hangs ends every request, none stays pending
     CHECK(later.wait_for(hang_bound * 3) == transfer_state::failed);
   }
   SECTION("stopped (a hung process), over tcp: every request fails by its deadline") {
-    child_target child("tcp");  // forked before this process starts its threads
-    side a("tcp");
-    child.exchange(a.worker.address());
-    auto ep = a.worker.connect(child.address);
-    auto remote = ep.import(ucx::remote_region::from_bytes(child.region));
-    auto local = a.worker.register_memory(src);
+    child_pair p("tcp", src);
+    auto& [child, a, ep, remote, local] = p;
     auto first = ep.put(local.slice(0, 64), remote.slice(0, 64), 10s);
     REQUIRE(first.wait_for(hang_bound) == transfer_state::success);
     child.kill(SIGSTOP);
-    std::vector<ucx::rma_block> blocks;
-    for (std::size_t i = 0; i < 16; ++i) {
-      blocks.push_back({local.slice(0, src.size()), remote.slice(i * src.size(), src.size())});
-    }
+    const auto blocks = p.blocks(16);
     std::vector<ferry::transfer> ts(blocks.size());
     ep.put_batch(blocks, ts, 300ms);
     const auto r = ferry::drain(ts, hang_bound);
@@ -338,12 +354,8 @@ TEST_CASE("ucx: a peer that dies or hangs ends every request, none stays pending
     CHECK(ep.error() == ucx::errc::endpoint_closed);
   }
   SECTION("killed, over shared memory: not reported as success") {
-    child_target child("shm");
-    side a("shm");
-    child.exchange(a.worker.address());
-    auto ep = a.worker.connect(child.address);
-    auto remote = ep.import(ucx::remote_region::from_bytes(child.region));
-    auto local = a.worker.register_memory(src);
+    child_pair p("shm", src);
+    auto& [child, a, ep, remote, local] = p;
     auto first = ep.put(local.slice(0, 64), remote.slice(0, 64), 10s);
     REQUIRE(first.wait_for(hang_bound) == transfer_state::success);
     child.kill(SIGKILL);

@@ -164,11 +164,12 @@ class endpoint {
   template <class Rep = std::int64_t, class Period = std::nano>
   [[nodiscard]] transfer send_notification(std::uint64_t value,
       std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {
-    auto [r, t] = make(detail::request_kind::notify, 1);
+    transfer t;
+    auto r = make(detail::request_kind::notify, 1, &t);
     r->value = value;
     detail::set_deadline(*r, timeout);
     publish(r.release());
-    return std::move(t[0]);
+    return t;
   }
 
   // The next notification the peer sent, in order; `value` is written before the transfer succeeds,
@@ -177,19 +178,20 @@ class endpoint {
   template <class Rep = std::int64_t, class Period = std::nano>
   [[nodiscard]] transfer receive_notification(std::uint64_t& value,
       std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {
-    auto [r, t] = make(detail::request_kind::wait_notification, 1);
+    transfer t;
+    auto r = make(detail::request_kind::wait_notification, 1, &t);
     r->value_out = &value;
     detail::set_deadline(*r, timeout);
     publish(r.release());
-    return std::move(t[0]);
+    return t;
   }
 
   // Force-closes the endpoint: every request out on it fails with errc::endpoint_closed.
   void close() {
     if (!state_) return;
-    auto [r, t] = make(detail::request_kind::close, 1);
-    publish(r.release());
-    if (!state_->eng->executor().on_executor_thread()) (void)t[0].wait();
+    transfer t;
+    publish(make(detail::request_kind::close, 1, &t).release());
+    if (!state_->eng->executor().on_executor_thread()) (void)t.wait();
   }
 
   endpoint(const endpoint&) = default;
@@ -210,24 +212,35 @@ class endpoint {
     return state_;
   }
 
-  std::pair<std::unique_ptr<detail::request>, std::vector<transfer>> make(detail::request_kind k,
-                                                                          std::size_t n) const {
+  // A request of `n` members; their transfers go to out[0..n) (none made yet when out is null).
+  std::unique_ptr<detail::request> make(detail::request_kind k, std::size_t n,
+                                        transfer* out) const {
     auto r = std::make_unique<detail::request>();
     r->kind = k;
     r->eng = state()->eng;
     r->endpoint = state_;
     r->members.resize(n);
     r->members_left = n;
-    std::vector<transfer> t;
-    t.reserve(n);
-    for (detail::member& m : r->members) {
+    for (std::size_t i = 0; i < n; ++i) {
+      detail::member& m = r->members[i];
       m.owner = r.get();
-      t.emplace_back(ferry::detail::adopt, detail::engine::attach(m));
+      if (out != nullptr) out[i] = transfer(ferry::detail::adopt, detail::engine::attach(m));
     }
-    return {std::move(r), std::move(t)};
+    return r;
   }
 
   void publish(detail::request* r) const noexcept { r->eng->publish(r); }
+
+  // Why a block is refused before anything is published; empty when it is not.
+  static std::error_code refusal(const rma_block& b) noexcept {
+    if (b.local.region == nullptr || !*b.local.region) return make_error_code(errc::outside_region);
+    if (b.local.length != b.remote.length) return make_error_code(errc::length_mismatch);
+    const std::size_t size = b.local.region->bytes().size();
+    if (b.local.offset > size || b.local.length > size - b.local.offset) {
+      return make_error_code(errc::outside_region);
+    }
+    return {};
+  }
 
   template <class Rep, class Period>
   void submit(detail::request_kind k, std::span<const rma_block> blocks, std::span<transfer> out,
@@ -237,47 +250,36 @@ class endpoint {
                                   " blocks but " + std::to_string(out.size()) + " transfers");
     }
     if (blocks.empty()) return;
-    // Refusals are decided here, before anything is published: a failed transfer names what.
-    std::vector<std::error_code> refused(blocks.size());
-    for (std::size_t i = 0; i < blocks.size(); ++i) {
-      const rma_block& b = blocks[i];
-      if (b.local.region == nullptr || !*b.local.region) {
-        refused[i] = make_error_code(errc::outside_region);
-      } else if (b.local.length != b.remote.length) {
-        refused[i] = make_error_code(errc::length_mismatch);
-      } else if (b.local.offset > b.local.region->bytes().size() ||
-                 b.local.length > b.local.region->bytes().size() - b.local.offset) {
-        refused[i] = make_error_code(errc::outside_region);
-      }
-    }
-    if (const std::error_code f = state()->failure()) {
-      for (auto& r : refused) r = f;
-    }
+    // Refused blocks get a failed transfer that names what was wrong; the rest make one request.
+    const std::error_code broken = state()->failure();
     std::size_t accepted = 0;
-    for (const auto& r : refused) accepted += r ? 0 : 1;
-    auto [r, t] = make(k, accepted);
-    r->completion = completion;
-    detail::set_deadline(*r, timeout);
+    for (const rma_block& b : blocks) accepted += broken || refusal(b) ? 0 : 1;
+    std::unique_ptr<detail::request> r;
+    if (accepted != 0) {
+      r = make(k, accepted, nullptr);
+      r->completion = completion;
+      detail::set_deadline(*r, timeout);
+    }
     std::size_t j = 0;
     for (std::size_t i = 0; i < blocks.size(); ++i) {
-      if (refused[i]) {
-        out[i] = make_completed_transfer(transfer_state::failed, refused[i]);
+      const rma_block& b = blocks[i];
+      const std::error_code why = broken ? broken : refusal(b);
+      if (why) {
+        out[i] = make_completed_transfer(transfer_state::failed, why);
         continue;
       }
-      const rma_block& b = blocks[i];
       detail::member& m = r->members[j];
       const auto& region = b.local.region->state();
+      m.region = region;
       m.local = region->base + b.local.offset;
       m.length = b.local.length;
       m.memh = region->memh;
       m.remote_address = b.remote.address;
       m.remote_index = b.remote.region;
-      if (r->regions.empty() || r->regions.back() != region) r->regions.push_back(region);
-      out[i] = std::move(t[j]);
+      out[i] = transfer(ferry::detail::adopt, detail::engine::attach(m));
       ++j;
     }
-    if (accepted == 0) return;
-    publish(r.release());
+    if (r) publish(r.release());
   }
 
   std::shared_ptr<detail::endpoint_state> state_;

@@ -185,7 +185,10 @@ class engine {
     for (const auto& e : std::vector<std::shared_ptr<endpoint_state>>(endpoints_)) {
       close_endpoint(*e, make_error_code(errc::worker_closed));
     }
-    for (const auto& l : listeners_) close_listener(*l);
+    // close_listener takes each off listeners_.
+    for (const auto& l : std::vector<std::shared_ptr<listener_state>>(listeners_)) {
+      close_listener(*l);
+    }
     ::ucp_worker_destroy(worker_);
   }
 
@@ -419,16 +422,24 @@ class engine {
   void end_member(member& m) noexcept {
     request* r = m.owner;
     std::error_code ec = m.failure;
-    if (!ec && r->endpoint && process_exited(r->endpoint->peer_pidfd)) {
-      ec = make_error_code(errc::peer_gone);
-      r->endpoint->fail(ec);
-    }
+    if (!ec && peer_gone(*r)) ec = make_error_code(errc::peer_gone);
     ferry::detail::status_block* s = std::exchange(m.status, nullptr);
     if (s != nullptr) {
       s->complete(ec ? transfer_state::failed : transfer_state::success, ec);
       s->release_completer_ref();
     }
     if (--r->members_left == 0) destroy(r);
+  }
+
+  // A same-host peer that has exited, looked at once per request (one poll of its pidfd).
+  static bool peer_gone(request& r) noexcept {
+    if (!r.endpoint || r.endpoint->peer_pidfd < 0) return false;
+    if (!r.peer_checked) {
+      r.peer_checked = true;
+      r.peer_exited = process_exited(r.endpoint->peer_pidfd);
+      if (r.peer_exited) r.endpoint->fail(make_error_code(errc::peer_gone));
+    }
+    return r.peer_exited;
   }
 
   void finish_all(request* r, std::error_code ec) noexcept {

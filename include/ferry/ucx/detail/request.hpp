@@ -14,6 +14,8 @@
 
 #include "ferry/detail/status_block.hpp"
 #include "ferry/detail/timer_service.hpp"
+#include "ferry/errors.hpp"
+#include "ferry/transfer_state.hpp"
 #include "ferry/ucx/memory_region.hpp"
 #include "ferry/ucx/options.hpp"
 
@@ -40,6 +42,7 @@ struct request;
 struct member {
   ferry::detail::status_block* status = nullptr;  // holds the completer reference
   request* owner = nullptr;
+  std::shared_ptr<region_state> region;  // held until the request ends
   std::byte* local = nullptr;
   std::size_t length = 0;
   ucp_mem_h memh = nullptr;
@@ -59,12 +62,13 @@ struct request {
   engine* eng = nullptr;
   std::shared_ptr<endpoint_state> endpoint;
   std::shared_ptr<listener_state> listener;
-  std::vector<std::shared_ptr<region_state>> regions;  // held until the request ends
   std::vector<member> members;
   std::size_t members_left = 0;
   put_completion completion = put_completion::landed;
   bool has_deadline = false;
   bool deadline_passed = false;
+  bool peer_checked = false;  // a same-host peer's pid, looked at when the first member ends
+  bool peer_exited = false;
   ferry::detail::clock::time_point deadline{};
   request_timer timer;
   int flushes = 0;  // the flush that ends a landed put batch or comes before a notification
@@ -77,6 +81,20 @@ struct request {
   std::uint16_t port = 0;
   std::vector<std::byte> hello;  // what this side tells the peer
   alignas(8) unsigned char header[64];  // an active message's header, which UCX may read later
+
+  request() = default;
+  request(const request&) = delete;
+  request& operator=(const request&) = delete;
+  // The executor frees a request once every member has ended. One freed before (making it threw
+  // part-way, on the submitter's thread) fails the members it had made transfers for, so that no
+  // transfer stays pending for ever.
+  ~request() {
+    for (member& m : members) {
+      if (m.status == nullptr) continue;
+      m.status->complete(transfer_state::failed, make_error_code(ferry::errc::backend_shut_down));
+      m.status->release_completer_ref();
+    }
+  }
 };
 
 }  // namespace ferry::ucx::detail
