@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cassert>
 #include <coroutine>
 #include <cstddef>
 #include <cstdint>
@@ -382,13 +383,20 @@ class batch_join {
   // of the status, while this thread is still at remove_waiter.
   void sweep() noexcept {
     member_node* n = nodes();
+    std::size_t removed = 0;
     for (std::uint32_t i = 0; i < members_; ++i) {
       status_block* s = n[i].status;
       if (s == nullptr) continue;
       if (n[i].handoff.exchange(sweeping, std::memory_order_acq_rel) == notified) continue;
-      const bool removed = s->remove_waiter(&n[i]);
+      if (s->remove_waiter(&n[i])) ++removed;
       s->release_transfer_ref();
-      if (removed) release();  // the node's reference; never the last, the caller holds one
+    }
+    // The removed nodes' references; never the last, since the caller holds one, so this is a
+    // plain decrement rather than release().
+    if (removed != 0) {
+      [[maybe_unused]] const std::size_t before =
+          refs_.fetch_sub(removed, std::memory_order_acq_rel);
+      assert(before > removed);
     }
   }
 
