@@ -1,0 +1,293 @@
+#pragma once
+// Metrics a server can export: per operation kind (and per peer, where a backend has peers) the
+// operations that ended, how they ended, the bytes they moved and a latency histogram, readable as a
+// snapshot at any moment and written in the Prometheus text exposition format for a server's own
+// HTTP endpoint.
+//
+// A backend records into a registry only when it was given one (ring_options::metrics,
+// worker_options::metrics, device_options::metrics); without one it costs a null-pointer test per
+// operation. Recording is a handful of relaxed atomic additions on a shard picked by the recording
+// thread (detail/metric_shards.hpp), so completions on different threads do not share a cache line;
+// a snapshot adds the shards up. A snapshot taken while operations complete is not one instant: each
+// figure is exact for some moment during the read, and the histogram's count and sum may disagree by
+// the few operations that completed while it was read.
+//
+// Latencies are kept in log-linear buckets (eight per power of two: within 12.5 %), from 1 ns to
+// about 18 minutes; longer ones land in the last bucket. The Prometheus export folds them into
+// buckets bounded by powers of two from 256 ns to about 69 s, the same bounds for every series, so that
+// series aggregate.
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <ostream>
+#include <span>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "ferry/detail/metric_shards.hpp"
+
+namespace ferry::metrics {
+
+// What one op_metrics holds, added up over its shards.
+struct operation_snapshot {
+  std::string kind;  // "read", "write", "send", "receive", "get", "put", ...
+  std::string peer;  // empty: every peer (or a backend without peers)
+  std::uint64_t succeeded = 0;
+  std::uint64_t failed = 0;     // failed or cancelled
+  std::uint64_t bytes = 0;      // moved by operations that succeeded
+  std::uint64_t latency_sum_ns = 0;
+  std::array<std::uint64_t, detail::latency_buckets> latency{};  // counts per bucket
+
+  [[nodiscard]] std::uint64_t count() const noexcept { return succeeded + failed; }
+
+  // The latency at quantile q (0..1) as the upper bound of the bucket it falls in; 0 when empty.
+  [[nodiscard]] std::chrono::nanoseconds quantile(double q) const noexcept {
+    std::uint64_t total = 0;
+    for (std::uint64_t c : latency) total += c;
+    if (total == 0) return std::chrono::nanoseconds(0);
+    q = std::clamp(q, 0.0, 1.0);
+    const auto rank = static_cast<std::uint64_t>(q * static_cast<double>(total - 1)) + 1;
+    std::uint64_t seen = 0;
+    for (std::size_t i = 0; i < latency.size(); ++i) {
+      seen += latency[i];
+      if (seen >= rank) {
+        return std::chrono::nanoseconds(static_cast<std::int64_t>(detail::bucket_upper_ns(i)));
+      }
+    }
+    return std::chrono::nanoseconds(
+        static_cast<std::int64_t>(detail::bucket_upper_ns(latency.size() - 1)));
+  }
+};
+
+// One operation kind's figures (for one peer, or all). Addresses are stable for the registry's life:
+// a backend looks one up once and records into it without further lookups.
+class op_metrics {
+ public:
+  op_metrics(std::string kind, std::string peer) : kind_(std::move(kind)), peer_(std::move(peer)) {}
+  op_metrics(const op_metrics&) = delete;
+  op_metrics& operator=(const op_metrics&) = delete;
+
+  // One operation that ended after `latency_ns`; `bytes` counts only when it succeeded.
+  void record(std::uint64_t latency_ns, std::uint64_t bytes, bool succeeded) noexcept {
+    detail::metric_shard& s = shards_[detail::this_thread_shard()];
+    // Relaxed throughout: each figure is a sum read on its own; nothing is published through them.
+    (succeeded ? s.succeeded : s.failed).fetch_add(1, std::memory_order_relaxed);
+    if (succeeded) s.bytes.fetch_add(bytes, std::memory_order_relaxed);
+    s.latency_sum_ns.fetch_add(latency_ns, std::memory_order_relaxed);
+    s.latency[detail::bucket_of(latency_ns)].fetch_add(1, std::memory_order_relaxed);
+  }
+
+  [[nodiscard]] operation_snapshot snapshot() const {
+    operation_snapshot out;
+    out.kind = kind_;
+    out.peer = peer_;
+    for (const detail::metric_shard& s : shards_) {
+      out.succeeded += s.succeeded.load(std::memory_order_relaxed);
+      out.failed += s.failed.load(std::memory_order_relaxed);
+      out.bytes += s.bytes.load(std::memory_order_relaxed);
+      out.latency_sum_ns += s.latency_sum_ns.load(std::memory_order_relaxed);
+      for (std::size_t i = 0; i < out.latency.size(); ++i) {
+        out.latency[i] += s.latency[i].load(std::memory_order_relaxed);
+      }
+    }
+    return out;
+  }
+
+  [[nodiscard]] const std::string& kind() const noexcept { return kind_; }
+  [[nodiscard]] const std::string& peer() const noexcept { return peer_; }
+
+ private:
+  std::string kind_;
+  std::string peer_;
+  std::array<detail::metric_shard, detail::metric_shard_count> shards_{};
+};
+
+struct snapshot {
+  std::string backend;
+  std::vector<operation_snapshot> operations;  // in the order they were first looked up
+};
+
+// The figures of one backend instance (a ring, a worker, a device). It must outlive the backend it
+// is given to. Lookups take a lock and may allocate; recording takes neither.
+class registry {
+ public:
+  // `backend` labels every series ("uring", "ucx", "verbs"); `instance` (optional) tells two
+  // backends of one kind apart in one export.
+  explicit registry(std::string backend, std::string instance = {})
+      : backend_(std::move(backend)), instance_(std::move(instance)) {}
+  registry(const registry&) = delete;
+  registry& operator=(const registry&) = delete;
+
+  // The figures of `kind` for `peer` (empty: not per peer), made on first use.
+  [[nodiscard]] op_metrics& operation(std::string_view kind, std::string_view peer = {}) {
+    std::lock_guard lock(mutex_);
+    for (const auto& m : ops_) {
+      if (m->kind() == kind && m->peer() == peer) return *m;
+    }
+    ops_.push_back(std::make_unique<op_metrics>(std::string(kind), std::string(peer)));
+    return *ops_.back();
+  }
+
+  [[nodiscard]] metrics::snapshot snapshot() const {
+    metrics::snapshot out;
+    out.backend = backend_;
+    std::lock_guard lock(mutex_);
+    out.operations.reserve(ops_.size());
+    for (const auto& m : ops_) out.operations.push_back(m->snapshot());
+    return out;
+  }
+
+  [[nodiscard]] const std::string& backend() const noexcept { return backend_; }
+  [[nodiscard]] const std::string& instance() const noexcept { return instance_; }
+
+ private:
+  std::string backend_;
+  std::string instance_;
+  mutable std::mutex mutex_;
+  std::vector<std::unique_ptr<op_metrics>> ops_;
+};
+
+// The clock backends stamp operations with: steady, in nanoseconds.
+[[nodiscard]] inline std::uint64_t now_ns() noexcept {
+  return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                        std::chrono::steady_clock::now().time_since_epoch())
+                                        .count());
+}
+
+namespace detail {
+
+// A label value as the exposition format wants it: backslash, double quote and newline escaped.
+inline void write_label_value(std::ostream& out, std::string_view v) {
+  out << '"';
+  for (char c : v) {
+    switch (c) {
+      case '\\': out << "\\\\"; break;
+      case '"': out << "\\\""; break;
+      case '\n': out << "\\n"; break;
+      default: out << c;
+    }
+  }
+  out << '"';
+}
+
+inline void write_labels(std::ostream& out, const registry& r, const operation_snapshot& op,
+                         const char* extra_name = nullptr, std::string_view extra_value = {}) {
+  out << "{backend=";
+  write_label_value(out, r.backend());
+  if (!r.instance().empty()) {
+    out << ",instance_name=";
+    write_label_value(out, r.instance());
+  }
+  out << ",op=";
+  write_label_value(out, op.kind);
+  if (!op.peer.empty()) {
+    out << ",peer=";
+    write_label_value(out, op.peer);
+  }
+  if (extra_name != nullptr) {
+    out << ',' << extra_name << '=';
+    write_label_value(out, extra_value);
+  }
+  out << '}';
+}
+
+// Seconds in the shortest form that reads back exactly enough ("2.56e-07").
+inline std::string seconds_text(std::uint64_t ns) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.9g", static_cast<double>(ns) * 1e-9);
+  return buf;
+}
+
+}  // namespace detail
+
+// Writes every registry's figures in the Prometheus text exposition format (version 0.0.4): each
+// metric family once, with its HELP and TYPE lines, then one series per registry and operation.
+//   ferry_operations_total{backend,op,peer,outcome}   counter
+//   ferry_bytes_total{backend,op,peer}                counter
+//   ferry_operation_duration_seconds{backend,op,peer} histogram (_bucket with le, _sum, _count)
+inline void write_prometheus(std::ostream& out, std::span<const registry* const> registries) {
+  std::vector<std::pair<const registry*, metrics::snapshot>> all;
+  all.reserve(registries.size());
+  for (const registry* r : registries) all.emplace_back(r, r->snapshot());
+
+  out << "# HELP ferry_operations_total Transfers that ended, by backend, operation kind, peer "
+         "and outcome.\n# TYPE ferry_operations_total counter\n";
+  for (const auto& [r, s] : all) {
+    for (const operation_snapshot& op : s.operations) {
+      out << "ferry_operations_total";
+      detail::write_labels(out, *r, op, "outcome", "success");
+      out << ' ' << op.succeeded << '\n';
+      out << "ferry_operations_total";
+      detail::write_labels(out, *r, op, "outcome", "failure");
+      out << ' ' << op.failed << '\n';
+    }
+  }
+  out << "# HELP ferry_bytes_total Bytes moved by transfers that succeeded.\n"
+         "# TYPE ferry_bytes_total counter\n";
+  for (const auto& [r, s] : all) {
+    for (const operation_snapshot& op : s.operations) {
+      out << "ferry_bytes_total";
+      detail::write_labels(out, *r, op);
+      out << ' ' << op.bytes << '\n';
+    }
+  }
+  out << "# HELP ferry_operation_duration_seconds Time from submission to completion.\n"
+         "# TYPE ferry_operation_duration_seconds histogram\n";
+  for (const auto& [r, s] : all) {
+    for (const operation_snapshot& op : s.operations) {
+      // The fine buckets' bounds fall on the powers of two, so each exported bucket is an exact
+      // sum of fine ones; the count comes from the same buckets so that +Inf equals it.
+      std::uint64_t cumulative = 0;
+      std::size_t fine = 0;
+      for (unsigned p = detail::export_first_power; p <= detail::export_last_power; ++p) {
+        const std::uint64_t bound = std::uint64_t{1} << p;
+        while (fine < op.latency.size() && detail::bucket_upper_ns(fine) <= bound) {
+          cumulative += op.latency[fine++];
+        }
+        out << "ferry_operation_duration_seconds_bucket";
+        detail::write_labels(out, *r, op, "le", detail::seconds_text(bound));
+        out << ' ' << cumulative << '\n';
+      }
+      while (fine < op.latency.size()) cumulative += op.latency[fine++];
+      out << "ferry_operation_duration_seconds_bucket";
+      detail::write_labels(out, *r, op, "le", "+Inf");
+      out << ' ' << cumulative << '\n';
+      out << "ferry_operation_duration_seconds_sum";
+      detail::write_labels(out, *r, op);
+      out << ' ' << detail::seconds_text(op.latency_sum_ns) << '\n';
+      out << "ferry_operation_duration_seconds_count";
+      detail::write_labels(out, *r, op);
+      out << ' ' << cumulative << '\n';
+    }
+  }
+}
+
+inline void write_prometheus(std::ostream& out, const registry& r) {
+  const registry* one[] = {&r};
+  write_prometheus(out, std::span<const registry* const>(one));
+}
+
+[[nodiscard]] inline std::string to_prometheus(std::span<const registry* const> registries) {
+  std::ostringstream out;
+  write_prometheus(out, registries);
+  return std::move(out).str();
+}
+
+[[nodiscard]] inline std::string to_prometheus(const registry& r) {
+  std::ostringstream out;
+  write_prometheus(out, r);
+  return std::move(out).str();
+}
+
+}  // namespace ferry::metrics
