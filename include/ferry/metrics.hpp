@@ -24,7 +24,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
-#include <deque>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <ostream>
@@ -32,6 +32,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -164,6 +165,60 @@ class registry {
                                         std::chrono::steady_clock::now().time_since_epoch())
                                         .count());
 }
+
+// A backend's hook, for a backend whose completions all end on one thread (its executor): the
+// figures per operation kind, looked up once, and per peer, looked up in a map only that thread
+// touches. Detached (no registry), stamp() returns 0 and record() does nothing after one test.
+class backend_meter {
+ public:
+  static constexpr std::size_t max_kinds = 8;
+
+  // `kinds` name the operation kinds by index (at most max_kinds); `r` may be null.
+  void attach(registry* r, std::initializer_list<const char*> kinds) {
+    registry_ = r;
+    if (r == nullptr) return;
+    std::size_t i = 0;
+    for (const char* k : kinds) {
+      if (i == max_kinds) break;
+      names_[i] = k;
+      kinds_[i++] = &r->operation(k);
+    }
+  }
+
+  [[nodiscard]] bool attached() const noexcept { return registry_ != nullptr; }
+
+  // When an operation was submitted; 0 when detached, which record() then ignores.
+  [[nodiscard]] std::uint64_t stamp() const noexcept { return registry_ != nullptr ? now_ns() : 0; }
+
+  // An operation of kind `kind` stamped at `started_ns` ended; `peer_key` (0: none) is a stable
+  // identity of its peer and `peer_name` its label, asked for on the peer's first operation.
+  template <class PeerName>
+  void record(std::size_t kind, std::uint64_t started_ns, std::uint64_t bytes, bool succeeded,
+              std::uint64_t peer_key, PeerName&& peer_name) noexcept {
+    if (started_ns == 0 || kind >= max_kinds || kinds_[kind] == nullptr) return;
+    const std::uint64_t latency = now_ns() - started_ns;
+    kinds_[kind]->record(latency, bytes, succeeded);
+    if (peer_key == 0) return;
+    try {
+      auto& slot = peers_[peer_key];
+      if (slot[kind] == nullptr) slot[kind] = &registry_->operation(names_[kind], peer_name());
+      slot[kind]->record(latency, bytes, succeeded);
+    } catch (...) {
+      // Out of memory: the peer's figures miss this operation; the kind's have it.
+    }
+  }
+
+  void record(std::size_t kind, std::uint64_t started_ns, std::uint64_t bytes,
+              bool succeeded) noexcept {
+    record(kind, started_ns, bytes, succeeded, 0, [] { return std::string(); });
+  }
+
+ private:
+  registry* registry_ = nullptr;
+  std::array<const char*, max_kinds> names_{};
+  std::array<op_metrics*, max_kinds> kinds_{};
+  std::unordered_map<std::uint64_t, std::array<op_metrics*, max_kinds>> peers_;
+};
 
 namespace detail {
 

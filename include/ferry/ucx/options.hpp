@@ -7,6 +7,10 @@
 #include <utility>
 #include <vector>
 
+namespace ferry::metrics {
+class registry;
+}  // namespace ferry::metrics
+
 namespace ferry::ucx {
 
 struct worker_options {
@@ -25,6 +29,9 @@ struct worker_options {
   std::chrono::milliseconds keepalive = std::chrono::seconds(1);
   // Any other UCX setting, by its name without the UCX_ prefix ("RNDV_THRESH", "8k").
   std::vector<std::pair<std::string, std::string>> settings;
+  // Where the worker records each get and put that ends, per kind and per peer (metrics.hpp); it
+  // must outlive the worker. Null: nothing is recorded, at the cost of one test per request.
+  ferry::metrics::registry* metrics = nullptr;
 };
 
 // What a get or put's transfer waits for.

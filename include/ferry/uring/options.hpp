@@ -7,6 +7,10 @@
 #include <cstdint>
 #include <span>
 
+namespace ferry::metrics {
+class registry;
+}  // namespace ferry::metrics
+
 namespace ferry::uring {
 
 // As the offset of a read or write: use and advance the descriptor's own position (pipes, sockets,
@@ -29,6 +33,9 @@ struct ring_options {
   // on): completions are finished in the executor's own system calls rather than by interrupting
   // it. false: the plain set-up, which costs more per operation when the CPU is the limit.
   bool defer_task_work = true;
+  // Where the ring records each read, write, send and receive that ends (metrics.hpp); it must
+  // outlive the ring. Null: nothing is recorded, at the cost of one test per operation.
+  ferry::metrics::registry* metrics = nullptr;
 };
 
 // A descriptor registered with ring::register_files.

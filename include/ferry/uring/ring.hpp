@@ -97,6 +97,7 @@ class ring {
     e_.bound(params.cq_entries);
     e_.submit_batch_ = options.submit_batch;
     try {
+      if (options.metrics != nullptr) e_.meter(*options.metrics);
       e_.in_flight_.reserve(e_.limit_);
       if (e_.deferred_) {
         // Deferred completions make the ring's own descriptor no sign of work: the executor parks

@@ -41,6 +41,7 @@
 
 #include "ferry/detail/submission_stack.hpp"
 #include "ferry/errors.hpp"
+#include "ferry/metrics.hpp"
 #include "ferry/progress_executor.hpp"
 #include "ferry/transfer.hpp"
 #include "ferry/ucx/detail/endpoint_state.hpp"
@@ -170,6 +171,7 @@ class engine {
       self_.host_id = host_id();
       self_.pid = static_cast<std::uint32_t>(::getpid());
       peer_errors_ = options.peer_error_handling;
+      meter_.attach(options.metrics, {"put", "get"});  // request_kind's order
     } catch (...) {
       ::ucp_worker_destroy(worker_);
       throw;
@@ -198,6 +200,7 @@ class engine {
   [[nodiscard]] const std::vector<std::byte>& ucx_address() const noexcept { return ucx_address_; }
 
   void publish(request* r) noexcept {
+    if (r->kind == request_kind::put || r->kind == request_kind::get) r->published_ns = meter_.stamp();
     incoming_.push(r);
     exec_.notify();
   }
@@ -424,6 +427,11 @@ class engine {
     std::error_code ec = m.failure;
     if (!ec && peer_gone(*r)) ec = make_error_code(errc::peer_gone);
     ferry::detail::status_block* s = std::exchange(m.status, nullptr);
+    if (s != nullptr && r->published_ns != 0) {
+      const std::uint64_t peer = r->endpoint ? r->endpoint->peer.worker_id : 0;
+      meter_.record(static_cast<std::size_t>(r->kind), r->published_ns, m.length, !ec, peer,
+                    [peer] { return "worker-" + std::to_string(peer); });
+    }
     if (s != nullptr) {
       s->complete(ec ? transfer_state::failed : transfer_state::success, ec);
       s->release_completer_ref();
@@ -907,6 +915,7 @@ class engine {
   ucp_worker_h worker_ = nullptr;
   int efd_ = -1;
   bool peer_errors_ = true;
+  ferry::metrics::backend_meter meter_;  // executor only, once constructed
   peer_identity self_;
   std::vector<std::byte> ucx_address_;
   ferry::detail::submission_stack<request> incoming_;

@@ -70,6 +70,7 @@ struct request {
   bool peer_checked = false;  // a same-host peer's pid, looked at when the first member ends
   bool peer_exited = false;
   ferry::detail::clock::time_point deadline{};
+  std::uint64_t published_ns = 0;  // a get or put, on a worker that records metrics
   request_timer timer;
   int flushes = 0;  // the flush that ends a landed put batch or comes before a notification
   std::uint64_t value = 0;

@@ -23,10 +23,12 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <iterator>
 #include <system_error>
 
 #include "ferry/detail/submission_stack.hpp"
 #include "ferry/errors.hpp"
+#include "ferry/metrics.hpp"
 #include "ferry/progress_executor.hpp"
 #include "ferry/transfer.hpp"
 #include "ferry/uring/detail/admission.hpp"
@@ -58,8 +60,23 @@ class engine : public admission {
   // Publishes a chain linked newest → oldest through op::next. The caller prepared everything: after
   // the CAS the executor owns the ops.
   void publish(op* newest, op* oldest) noexcept {
+    if (metered_) {
+      const std::uint64_t now = ferry::metrics::now_ns();
+      for (op* o = newest;; o = o->next) {
+        o->published_ns = now;
+        if (o == oldest) break;
+      }
+    }
     incoming_.push(newest, oldest);
     exec_.notify();
+  }
+
+  // Records every read, write, send and receive that ends into `r` (ring_options::metrics); before
+  // anything is published.
+  void meter(ferry::metrics::registry& r) {
+    constexpr const char* names[] = {"read", "write", "readv", "writev", "send", "receive"};
+    for (std::size_t k = 0; k < std::size(names); ++k) metrics_[k] = &r.operation(names[k]);
+    metered_ = true;
   }
 
   // tcp.hpp: a connection's operations go through the same stack as everything else.
@@ -234,6 +251,7 @@ class engine : public admission {
     // Written before complete() publishes the state (release), so a caller that sees the transfer
     // terminal reads the count.
     if (o->transferred != nullptr) *o->transferred = o->done;
+    if (o->published_ns != 0) record(o, to);
     op::pool::release(o);
     s->complete(to, ec);
     s->release_completer_ref();
@@ -246,6 +264,16 @@ class engine : public admission {
   void finish_cancelled(op* o) noexcept {
     if (o->done == 0) return finish(o, transfer_state::cancelled, {});
     finish(o, transfer_state::failed, make_error_code(errc::cancelled_part_way));
+  }
+
+  void record(const op* o, transfer_state to) noexcept {
+    const auto k = static_cast<std::size_t>(o->kind);
+    if (k >= std::size(metrics_) || metrics_[k] == nullptr) return;
+    std::uint64_t bytes = o->done;
+    if (o->kind == op_kind::send) bytes = o->parts[1].iov_len;
+    if (o->kind == op_kind::receive) bytes = o->received != nullptr ? o->received->length : 0;
+    metrics_[k]->record(ferry::metrics::now_ns() - o->published_ns, bytes,
+                        to == transfer_state::success);
   }
 
   // Never reached the kernel, and the ring is shutting down.
@@ -282,6 +310,10 @@ class engine : public admission {
   std::atomic<std::uint64_t> completed_{0};
   std::atomic<std::uint64_t> resubmitted_{0};
   std::atomic<std::uint64_t> backlogged_{0};
+
+  // Indexed by op_kind, read through receive; set before the first publish, then only read.
+  ferry::metrics::op_metrics* metrics_[6]{};
+  bool metered_ = false;
 };
 
 // The arrival of an operation that goes to the kernel as it comes (or waits for room).

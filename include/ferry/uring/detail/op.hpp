@@ -59,6 +59,7 @@ struct op_body {
   std::size_t iov_skip = 0;        // bytes of iov[iov_at] already transferred
   std::size_t slot = 0;            // position in admission::in_flight_
   std::uint64_t ticket = 0;        // arrival in a backlog (0: going on from where it stopped)
+  std::uint64_t published_ns = 0;  // when it was published, on a ring that records metrics
   status_block* status = nullptr;  // the completer reference (for a cancel: a transfer reference)
   std::byte* buffer = nullptr;
   std::size_t length = 0;  // bytes wanted (for a receive: of the current phase)

@@ -1,0 +1,268 @@
+#pragma once
+// ferry-perf's command line: the configuration every mode reads, sizes with K/M/G suffixes and
+// power-of-two ranges, and the usage text. A bad argument throws usage_error (exit status 2).
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace ferry_perf {
+
+struct usage_error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+inline const char* usage_text() {
+  return R"(usage:
+  ferry-perf target    --backend tcp|ucx --listen HOST:PORT [--once] [options]
+  ferry-perf initiator --backend tcp|ucx --connect HOST:PORT [options]
+  ferry-perf file      --path FILE [--direct] [options]
+  ferry-perf --help
+
+The target serves initiators one run at a time on HOST:PORT (a control connection; the data goes
+over a second port the target picks and tells the initiator). The initiator measures and reports
+both sides, the target's CPU time included.
+
+options (initiator and file):
+  --op read|write            what each block does (default write). tcp: a write is a framed block
+                             sent and acknowledged by the target; a read asks the target for one.
+                             ucx: one-sided put (landed) or get. file: io_uring read or write.
+  --block-size S[:S2]        block size, K/M/G suffixes (default 1M); S:S2 sweeps powers of two
+  --batch N                  blocks awaited together with one when_all (default 1)
+  --depth N                  batches in flight per thread (default 4)
+  --threads N                submitting threads, each with its own connection (default 1)
+  --executor busy|adaptive|park   the progress executor's mode (default adaptive)
+  --duration S               seconds per block size (default 3)
+  --workload stream|latency|kv    (default stream)
+        stream:  bandwidth and operations per second
+        latency: completion -> resume of one block at a time (batch 1, depth 1 per thread):
+                 p50, p90, p99, p99.9
+        kv:      a step is --layers L layers of --requests R requests of --batch blocks each, all
+                 submitted at once; each layer is awaited with when_all and --timeout while later
+                 layers stream in. Reports step time and when each layer became ready.
+  --layers L --requests R    the kv step's shape (default 8 and 2)
+  --timeout S                deadline of every batch, connect and control exchange (default 5)
+  --transport T              ucx: UCX's TLS setting (default tcp)
+  --file-size S              file: bytes of the file the blocks are placed in (default 256M)
+  --no-metrics               do not record ferry's metrics (metrics.hpp) in the backend
+  --json FILE                every figure, the configuration and the metrics, as JSON
+  --plot FILE.svg            bandwidth against block size and the latency distribution
+  --prometheus FILE          the backend's metrics in the Prometheus text format, after the run
+
+backends: tcp (io_uring TCP) and ucx (UCX one-sided RMA) where ferry was built with them; file is
+io_uring on one host. verbs: not in ferry-perf; ferry's verbs backend runs here only against its
+in-process fake adapter, and measuring that would measure the fake, so it needs RDMA hardware and
+is not offered (bench/ferry_bench's verbs scenarios run the fake for correctness-level figures).
+
+exit status: 0 success, 1 a run failed (the target went away, a deadline passed), 2 bad arguments.
+)";
+}
+
+struct config {
+  std::string mode;  // target, initiator, file
+  std::string backend = "tcp";
+  std::string listen;
+  std::string connect;
+  std::string path;
+  bool direct = false;
+  bool once = false;
+  std::string op = "write";
+  std::vector<std::size_t> sizes{std::size_t{1} << 20};
+  std::string size_text = "1M";
+  std::size_t batch = 1;
+  std::size_t depth = 4;
+  std::size_t threads = 1;
+  std::string executor = "adaptive";
+  double duration = 3;
+  std::string workload = "stream";
+  std::size_t layers = 8;
+  std::size_t requests = 2;
+  double timeout = 5;
+  std::string transport = "tcp";
+  std::size_t file_size = std::size_t{256} << 20;
+  bool metrics = true;
+  std::string json;
+  std::string plot;
+  std::string prometheus;
+  std::vector<std::string> argv;
+};
+
+inline std::size_t parse_size(std::string_view text, const std::string& what) {
+  if (text.empty()) throw usage_error(what + ": empty size");
+  std::size_t i = 0;
+  std::uint64_t v = 0;
+  while (i < text.size() && text[i] >= '0' && text[i] <= '9') {
+    if (v > (~std::uint64_t{0} - 9) / 10) throw usage_error(what + ": size too large");
+    v = v * 10 + static_cast<std::uint64_t>(text[i] - '0');
+    ++i;
+  }
+  if (i == 0) throw usage_error(what + ": '" + std::string(text) + "' is not a size");
+  unsigned shift = 0;
+  if (i < text.size()) {
+    switch (text[i]) {
+      case 'K': case 'k': shift = 10; break;
+      case 'M': case 'm': shift = 20; break;
+      case 'G': case 'g': shift = 30; break;
+      default: throw usage_error(what + ": '" + std::string(text) + "': unknown suffix");
+    }
+    ++i;
+    if (i < text.size() && (text[i] == 'i' || text[i] == 'B')) ++i;
+    if (i < text.size() && text[i] == 'B') ++i;
+  }
+  if (i != text.size()) throw usage_error(what + ": '" + std::string(text) + "' is not a size");
+  if (v == 0) throw usage_error(what + ": size must be at least 1");
+  if (v > (std::uint64_t{1} << 40) >> shift) throw usage_error(what + ": size too large");
+  return static_cast<std::size_t>(v << shift);
+}
+
+// "4K" or "4K:16M" (powers of two from the first up to at most the second).
+inline std::vector<std::size_t> parse_sizes(std::string_view text) {
+  const auto colon = text.find(':');
+  if (colon == std::string_view::npos) return {parse_size(text, "--block-size")};
+  const std::size_t lo = parse_size(text.substr(0, colon), "--block-size");
+  const std::size_t hi = parse_size(text.substr(colon + 1), "--block-size");
+  if (hi < lo) throw usage_error("--block-size: the range's end is below its start");
+  std::vector<std::size_t> out;
+  for (std::size_t s = lo; s <= hi; s *= 2) out.push_back(s);
+  return out;
+}
+
+inline std::size_t parse_count(const std::string& text, const std::string& what, std::size_t max) {
+  std::size_t pos = 0;
+  unsigned long long v = 0;
+  try {
+    v = std::stoull(text, &pos);
+  } catch (...) {
+    throw usage_error(what + ": '" + text + "' is not a number");
+  }
+  if (pos != text.size() || text[0] == '-') throw usage_error(what + ": '" + text + "' is not a number");
+  if (v == 0 || v > max) {
+    throw usage_error(what + ": must be between 1 and " + std::to_string(max));
+  }
+  return static_cast<std::size_t>(v);
+}
+
+inline double parse_seconds(const std::string& text, const std::string& what) {
+  std::size_t pos = 0;
+  double v = 0;
+  try {
+    v = std::stod(text, &pos);
+  } catch (...) {
+    throw usage_error(what + ": '" + text + "' is not a number of seconds");
+  }
+  if (pos != text.size() || !(v > 0) || v > 86400) {
+    throw usage_error(what + ": '" + text + "' must be between 0 and 86400 seconds");
+  }
+  return v;
+}
+
+inline void split_host_port(const std::string& text, const std::string& what, std::string& host,
+                            std::uint16_t& port) {
+  const auto colon = text.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == text.size()) {
+    throw usage_error(what + ": '" + text + "' is not HOST:PORT");
+  }
+  host = text.substr(0, colon);
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  const std::size_t p = parse_count(text.substr(colon + 1), what + " port", 65535);
+  port = static_cast<std::uint16_t>(p);
+}
+
+inline config parse(int argc, char** argv) {
+  config c;
+  for (int i = 0; i < argc; ++i) c.argv.emplace_back(argv[i]);
+  if (argc < 2) throw usage_error("a mode is needed: target, initiator or file");
+  c.mode = argv[1];
+  if (c.mode != "target" && c.mode != "initiator" && c.mode != "file") {
+    throw usage_error("unknown mode '" + c.mode + "'");
+  }
+  for (int i = 2; i < argc; ++i) {
+    std::string key = argv[i];
+    std::string value;
+    const bool has_inline = key.rfind("--", 0) == 0 && key.find('=') != std::string::npos;
+    if (has_inline) {
+      value = key.substr(key.find('=') + 1);
+      key = key.substr(0, key.find('='));
+    }
+    auto need = [&]() -> std::string {
+      if (has_inline) return value;
+      if (i + 1 >= argc) throw usage_error(key + " needs a value");
+      return argv[++i];
+    };
+    if (key == "--backend") {
+      c.backend = need();
+      if (c.backend != "tcp" && c.backend != "ucx" && c.backend != "verbs") {
+        throw usage_error("--backend: '" + c.backend + "' is not tcp, ucx or verbs");
+      }
+    } else if (key == "--listen") {
+      c.listen = need();
+    } else if (key == "--connect") {
+      c.connect = need();
+    } else if (key == "--path") {
+      c.path = need();
+    } else if (key == "--direct") {
+      c.direct = true;
+    } else if (key == "--once") {
+      c.once = true;
+    } else if (key == "--op") {
+      c.op = need();
+      if (c.op != "read" && c.op != "write") throw usage_error("--op: '" + c.op + "' is not read or write");
+    } else if (key == "--block-size") {
+      c.size_text = need();
+      c.sizes = parse_sizes(c.size_text);
+    } else if (key == "--batch") {
+      c.batch = parse_count(need(), "--batch", 4096);
+    } else if (key == "--depth") {
+      c.depth = parse_count(need(), "--depth", 1024);
+    } else if (key == "--threads") {
+      c.threads = parse_count(need(), "--threads", 64);
+    } else if (key == "--executor") {
+      c.executor = need();
+      if (c.executor != "busy" && c.executor != "adaptive" && c.executor != "park") {
+        throw usage_error("--executor: '" + c.executor + "' is not busy, adaptive or park");
+      }
+    } else if (key == "--duration") {
+      c.duration = parse_seconds(need(), "--duration");
+    } else if (key == "--workload") {
+      c.workload = need();
+      if (c.workload != "stream" && c.workload != "latency" && c.workload != "kv") {
+        throw usage_error("--workload: '" + c.workload + "' is not stream, latency or kv");
+      }
+    } else if (key == "--layers") {
+      c.layers = parse_count(need(), "--layers", 1024);
+    } else if (key == "--requests") {
+      c.requests = parse_count(need(), "--requests", 1024);
+    } else if (key == "--timeout") {
+      c.timeout = parse_seconds(need(), "--timeout");
+    } else if (key == "--transport") {
+      c.transport = need();
+    } else if (key == "--file-size") {
+      c.file_size = parse_size(need(), "--file-size");
+    } else if (key == "--no-metrics") {
+      c.metrics = false;
+    } else if (key == "--json") {
+      c.json = need();
+    } else if (key == "--plot") {
+      c.plot = need();
+    } else if (key == "--prometheus") {
+      c.prometheus = need();
+    } else {
+      throw usage_error("unknown option '" + key + "'");
+    }
+  }
+  if (c.mode == "target" && c.listen.empty()) throw usage_error("target needs --listen HOST:PORT");
+  if (c.mode == "initiator" && c.connect.empty()) {
+    throw usage_error("initiator needs --connect HOST:PORT");
+  }
+  if (c.mode == "file" && c.path.empty()) throw usage_error("file needs --path FILE");
+  if (c.workload == "latency") {
+    c.batch = 1;
+    c.depth = 1;
+  }
+  return c;
+}
+
+}  // namespace ferry_perf

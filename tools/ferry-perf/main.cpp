@@ -1,0 +1,790 @@
+// ferry-perf: ferry's transfers measured between two machines (or two network namespaces), as an
+// inference server uses them: blocks awaited in batches with a deadline, over io_uring TCP or UCX,
+// and io_uring file reads and writes on one host. usage: ferry-perf --help (cli.hpp).
+
+#include <sys/resource.h>
+#include <sys/utsname.h>
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <fstream>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <span>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ferry/ferry.hpp>
+#include <ferry/metrics.hpp>
+#if FERRY_PERF_HAVE_URING
+#include <ferry/uring.hpp>
+#endif
+#if FERRY_PERF_HAVE_UCX
+#include <ferry/ucx.hpp>
+#endif
+
+#include "cli.hpp"
+#include "control.hpp"
+#include "report.hpp"
+
+namespace ferry_perf {
+namespace {
+
+using clk = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+constexpr std::uint64_t read_request = std::uint64_t{1} << 63;  // tcp: "send me this many bytes"
+
+cpu_times rusage_of(int who) {
+  rusage u{};
+  ::getrusage(who, &u);
+  return {static_cast<double>(u.ru_utime.tv_sec) + static_cast<double>(u.ru_utime.tv_usec) * 1e-6,
+          static_cast<double>(u.ru_stime.tv_sec) + static_cast<double>(u.ru_stime.tv_usec) * 1e-6};
+}
+cpu_times minus(const cpu_times& a, const cpu_times& b) { return {a.user_s - b.user_s, a.system_s - b.system_s}; }
+
+std::chrono::nanoseconds seconds(double s) {
+  return std::chrono::nanoseconds(static_cast<std::int64_t>(s * 1e9));
+}
+
+ferry::progress_mode mode_of(const std::string& m) {
+  if (m == "busy") return ferry::progress_mode::busy;
+  if (m == "park") return ferry::progress_mode::park;
+  return ferry::progress_mode::adaptive;
+}
+
+bool backend_built(const std::string& b) {
+  if (b == "tcp" || b == "file") return FERRY_PERF_HAVE_URING != 0;
+  if (b == "ucx") return FERRY_PERF_HAVE_UCX != 0;
+  return false;
+}
+
+void check_backend(const std::string& b) {
+  if (b == "verbs") {
+    throw usage_error(
+        "--backend verbs: ferry-perf does not run verbs; ferry's verbs backend needs an RDMA "
+        "adapter, and here it runs only against its in-process fake (see ferry-perf --help)");
+  }
+  if (!backend_built(b)) {
+    throw usage_error("--backend " + b + ": this ferry-perf was built without it (its library was "
+                      "not found when ferry was configured)");
+  }
+}
+
+// Ends the process if a run outlives its deadline: whatever is stuck, the initiator never hangs.
+class watchdog {
+ public:
+  watchdog() : thread_([this] { run(); }) {}
+  ~watchdog() {
+    {
+      std::lock_guard l(m_);
+      quit_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void arm(clk::duration d, std::string what) {
+    std::lock_guard l(m_);
+    deadline_ = clk::now() + d;
+    what_ = std::move(what);
+    armed_ = true;
+    cv_.notify_all();
+  }
+  void disarm() {
+    std::lock_guard l(m_);
+    armed_ = false;
+  }
+
+ private:
+  void run() {
+    std::unique_lock l(m_);
+    while (!quit_) {
+      if (!armed_) {
+        cv_.wait(l);
+        continue;
+      }
+      if (cv_.wait_until(l, deadline_) == std::cv_status::timeout && armed_ && clk::now() >= deadline_) {
+        std::fprintf(stderr, "\nferry-perf: %s did not finish by its deadline; giving up\n", what_.c_str());
+        std::fflush(stderr);
+        std::_Exit(1);
+      }
+    }
+  }
+  std::mutex m_;
+  std::condition_variable cv_;
+  clk::time_point deadline_{};
+  std::string what_;
+  bool armed_ = false;
+  bool quit_ = false;
+  std::thread thread_;
+};
+
+// ---- the initiator's side of a backend: one per submitting thread
+
+class channel {
+ public:
+  virtual ~channel() = default;
+  // Blocks [first, first + n) of this thread's slots, `size` bytes each: appends their transfers
+  // (a block is done when all of its transfers are).
+  virtual void submit(std::size_t first, std::size_t n, std::size_t size, std::vector<ferry::transfer>& out) = 0;
+};
+
+#if FERRY_PERF_HAVE_URING
+class tcp_channel final : public channel {
+ public:
+  tcp_channel(ferry::uring::tcp_connection conn, bool write, std::size_t slots, std::size_t block)
+      : conn_(std::move(conn)), write_(write), block_(block), data_(slots * block), acks_(slots * 8), got_(slots) {}
+  ~tcp_channel() override { conn_.close(); }
+  void submit(std::size_t first, std::size_t n, std::size_t size, std::vector<ferry::transfer>& out) override {
+    for (std::size_t i = first; i < first + n; ++i) {
+      const std::span<std::byte> slot(data_.data() + i * block_, size);
+      if (write_) {
+        out.push_back(conn_.send(i, slot));
+        out.push_back(conn_.receive(std::span(acks_.data() + i * 8, 8), got_[i]));
+      } else {
+        out.push_back(conn_.send(read_request | size, {}));
+        out.push_back(conn_.receive(slot, got_[i]));
+      }
+    }
+  }
+
+ private:
+  ferry::uring::tcp_connection conn_;
+  bool write_;
+  std::size_t block_;
+  std::vector<std::byte> data_;
+  std::vector<std::byte> acks_;
+  std::vector<ferry::uring::received_block> got_;
+};
+
+class file_channel final : public channel {
+ public:
+  file_channel(ferry::uring::ring& r, int fd, bool write, std::size_t slots, std::size_t block,
+               std::uint64_t region_offset, std::uint64_t region_bytes, unsigned seed)
+      : ring_(r), fd_(fd), write_(write), block_(block), data_(slots * block),
+        base_(region_offset), region_(region_bytes), rng_(seed) {}
+  void submit(std::size_t first, std::size_t n, std::size_t size, std::vector<ferry::transfer>& out) override {
+    const std::uint64_t positions = std::max<std::uint64_t>(1, region_ / size);
+    std::uniform_int_distribution<std::uint64_t> pick(0, positions - 1);
+    const std::size_t at = out.size();
+    out.resize(at + n);
+    if (write_) {
+      wblocks_.clear();
+      for (std::size_t i = first; i < first + n; ++i) {
+        wblocks_.push_back({data_.subspan(i * block_, size), base_ + pick(rng_) * size});
+      }
+      ring_.write_batch(fd_, wblocks_, std::span(out).subspan(at, n));
+    } else {
+      rblocks_.clear();
+      for (std::size_t i = first; i < first + n; ++i) {
+        rblocks_.push_back({data_.subspan(i * block_, size), base_ + pick(rng_) * size});
+      }
+      ring_.read_batch(fd_, rblocks_, std::span(out).subspan(at, n));
+    }
+  }
+
+ private:
+  ferry::uring::ring& ring_;
+  int fd_;
+  bool write_;
+  std::size_t block_;
+  ferry::uring::aligned_buffer data_;
+  std::uint64_t base_;
+  std::uint64_t region_;
+  std::mt19937_64 rng_;
+  std::vector<ferry::uring::read_block> rblocks_;
+  std::vector<ferry::uring::write_block> wblocks_;
+};
+#endif
+
+#if FERRY_PERF_HAVE_UCX
+class ucx_channel final : public channel {
+ public:
+  ucx_channel(ferry::ucx::endpoint ep, ferry::ucx::memory_region local, ferry::ucx::remote_memory remote,
+              std::uint64_t remote_base, bool write, std::size_t block, ferry::detail::clock::duration timeout)
+      : ep_(std::move(ep)), local_(std::move(local)), remote_(remote), base_(remote_base), write_(write),
+        block_(block), timeout_(timeout) {}
+  void submit(std::size_t first, std::size_t n, std::size_t size, std::vector<ferry::transfer>& out) override {
+    blocks_.clear();
+    for (std::size_t i = first; i < first + n; ++i) {
+      blocks_.push_back({local_.slice(i * block_, size), remote_.slice(base_ + i * block_, size)});
+    }
+    const std::size_t at = out.size();
+    out.resize(at + n);
+    if (write_) {
+      ep_.put_batch(blocks_, std::span(out).subspan(at, n), timeout_);
+    } else {
+      ep_.get_batch(blocks_, std::span(out).subspan(at, n), timeout_);
+    }
+  }
+
+ private:
+  ferry::ucx::endpoint ep_;
+  ferry::ucx::memory_region local_;
+  ferry::ucx::remote_memory remote_;
+  std::uint64_t base_;
+  bool write_;
+  std::size_t block_;
+  ferry::detail::clock::duration timeout_;
+  std::vector<ferry::ucx::rma_block> blocks_;
+};
+#endif
+
+// ---- the measuring loop, one per thread
+
+struct thread_result {
+  std::uint64_t ops = 0;
+  cpu_times cpu;
+  std::vector<double> latency_us;
+  std::vector<double> step_us;
+  std::vector<std::vector<double>> layer_ready_us;  // [layer][step]
+  std::string error;
+};
+
+struct run_shape {
+  std::string workload;
+  std::size_t size = 0;
+  std::size_t batch = 1;
+  std::size_t depth = 1;
+  std::size_t layers = 1;
+  std::size_t requests = 1;
+  clk::duration duration{};
+  std::chrono::nanoseconds timeout{};
+};
+
+std::string describe(const ferry::batch_result& r, const std::vector<ferry::transfer>& members) {
+  std::string s = ferry::to_string(r.verdict);
+  if (r.first_failed) s += ": " + r.error.message();
+  if (r.verdict == ferry::verdict::timed_out) {
+    s += " (" + std::to_string(r.pending) + " of " + std::to_string(members.size()) + " transfers pending)";
+  }
+  return s;
+}
+
+// How many slots a thread's buffers need for this shape.
+std::size_t slots_for(const config& c) {
+  return c.workload == "kv" ? c.layers * c.requests * c.batch : c.batch * c.depth;
+}
+
+ferry::task<void> measure(ferry::progress_executor& exec, channel& ch, const run_shape& s,
+                          std::atomic<std::uint64_t>& progress, std::atomic<bool>& stop, thread_result& out) {
+  const auto until = clk::now() + s.duration;
+  if (s.workload == "kv") {
+    const std::size_t per_layer = s.requests * s.batch;
+    std::vector<std::vector<ferry::transfer>> layers(s.layers);
+    out.layer_ready_us.resize(s.layers);
+    while (clk::now() < until && !stop.load(std::memory_order_relaxed)) {
+      const auto start = clk::now();
+      for (std::size_t l = 0; l < s.layers; ++l) {
+        layers[l].clear();
+        ch.submit(l * per_layer, per_layer, s.size, layers[l]);
+      }
+      for (std::size_t l = 0; l < s.layers; ++l) {
+        const ferry::batch_result r = co_await ferry::when_all(exec, std::span<const ferry::transfer>(layers[l]), s.timeout);
+        if (!r.ok()) {
+          out.error = "kv layer " + std::to_string(l) + ": " + describe(r, layers[l]);
+          break;
+        }
+        out.layer_ready_us[l].push_back(std::chrono::duration<double, std::micro>(clk::now() - start).count());
+        out.ops += per_layer;
+        progress.fetch_add(per_layer, std::memory_order_relaxed);
+      }
+      if (!out.error.empty()) break;
+      out.step_us.push_back(std::chrono::duration<double, std::micro>(clk::now() - start).count());
+    }
+    for (auto& l : layers) (void)ferry::drain(std::span<const ferry::transfer>(l), s.timeout);
+    co_return;
+  }
+  const bool latency = s.workload == "latency";
+  std::vector<std::vector<ferry::transfer>> inflight(s.depth);
+  std::vector<clk::time_point> started(s.depth);
+  for (std::size_t d = 0; d < s.depth; ++d) {
+    started[d] = clk::now();
+    ch.submit(d * s.batch, s.batch, s.size, inflight[d]);
+  }
+  for (std::size_t i = 0;; i = (i + 1) % s.depth) {
+    auto& b = inflight[i];
+    if (b.empty()) break;
+    const ferry::batch_result r = co_await ferry::when_all(exec, std::span<const ferry::transfer>(b), s.timeout);
+    if (!r.ok()) {
+      out.error = describe(r, b);
+      break;
+    }
+    if (latency && out.latency_us.size() < 2'000'000) {
+      out.latency_us.push_back(std::chrono::duration<double, std::micro>(clk::now() - started[i]).count());
+    }
+    out.ops += s.batch;
+    progress.fetch_add(s.batch, std::memory_order_relaxed);
+    b.clear();
+    if (clk::now() < until && !stop.load(std::memory_order_relaxed)) {
+      started[i] = clk::now();
+      ch.submit(i * s.batch, s.batch, s.size, b);
+    }
+  }
+  for (auto& b : inflight) (void)ferry::drain(std::span<const ferry::transfer>(b), s.timeout);
+}
+
+// Runs every thread's loop on its channel and fills the point's figures.
+void run_threads(ferry::progress_executor& exec, std::vector<std::unique_ptr<channel>>& channels,
+                 const run_shape& s, point_result& p) {
+  std::atomic<std::uint64_t> progress{0};
+  std::atomic<bool> stop{false};
+  std::vector<thread_result> results(channels.size());
+  const cpu_times before = rusage_of(RUSAGE_SELF);
+  const auto start = clk::now();
+  std::vector<std::thread> threads;
+  for (std::size_t t = 0; t < channels.size(); ++t) {
+    threads.emplace_back([&, t] {
+      const cpu_times mine = rusage_of(RUSAGE_THREAD);
+      try {
+        ferry::run_loop loop;
+        ferry::sync_wait(loop, measure(exec, *channels[t], s, progress, stop, results[t]));
+      } catch (const std::exception& e) {
+        results[t].error = e.what();
+      }
+      if (!results[t].error.empty()) stop.store(true);
+      results[t].cpu = minus(rusage_of(RUSAGE_THREAD), mine);
+    });
+  }
+  const bool tty = ::isatty(2) != 0;
+  std::atomic<bool> finished{false};
+  std::thread ticker([&] {
+    std::uint64_t last = 0;
+    auto last_t = clk::now();
+    while (!finished.load()) {
+      std::this_thread::sleep_for(200ms);
+      if (!tty) continue;
+      const auto now = clk::now();
+      const std::uint64_t ops = progress.load();
+      const double dt = std::chrono::duration<double>(now - last_t).count();
+      if (dt < 0.5) continue;
+      std::fprintf(stderr, "\r  %-6s %9.1f MB/s %9.0f ops/s  %5.1f/%.1f s ", size_name(s.size).c_str(),
+                   static_cast<double>(ops - last) * static_cast<double>(s.size) / dt / 1e6,
+                   static_cast<double>(ops - last) / dt, std::chrono::duration<double>(now - start).count(),
+                   std::chrono::duration<double>(s.duration).count());
+      std::fflush(stderr);
+      last = ops;
+      last_t = now;
+    }
+    if (tty) std::fprintf(stderr, "\r%70s\r", "");
+  });
+  for (auto& t : threads) t.join();
+  finished.store(true);
+  ticker.join();
+  p.seconds = std::chrono::duration<double>(clk::now() - start).count();
+  p.initiator_process = minus(rusage_of(RUSAGE_SELF), before);
+  std::vector<std::vector<double>> ready(s.layers);
+  for (auto& r : results) {
+    p.ops += r.ops;
+    p.initiator_threads.user_s += r.cpu.user_s;
+    p.initiator_threads.system_s += r.cpu.system_s;
+    p.latency_us.insert(p.latency_us.end(), r.latency_us.begin(), r.latency_us.end());
+    p.step_us.insert(p.step_us.end(), r.step_us.begin(), r.step_us.end());
+    for (std::size_t l = 0; l < r.layer_ready_us.size() && l < ready.size(); ++l) {
+      ready[l].insert(ready[l].end(), r.layer_ready_us[l].begin(), r.layer_ready_us[l].end());
+    }
+    if (p.error.empty() && !r.error.empty()) p.error = r.error;
+  }
+  p.bytes = p.ops * s.size;
+  std::sort(p.latency_us.begin(), p.latency_us.end());
+  std::sort(p.step_us.begin(), p.step_us.end());
+  if (s.workload == "kv") {
+    for (auto& l : ready) {
+      std::sort(l.begin(), l.end());
+      p.layer_ready_us.push_back(quantile(l, 0.5));
+    }
+  }
+}
+
+run_shape shape_of(const config& c, std::size_t size) {
+  return {c.workload, size, c.batch, c.depth, c.layers, c.requests,
+          std::chrono::duration_cast<clk::duration>(seconds(c.duration)), seconds(c.timeout)};
+}
+
+ferry::executor_options executor_of(const config& c) {
+  ferry::executor_options o;
+  o.mode = mode_of(c.executor);
+  return o;
+}
+
+std::chrono::milliseconds ms(double s) { return std::chrono::milliseconds(static_cast<std::int64_t>(s * 1000)); }
+
+// ---- initiator
+
+point_result initiator_point(const config& c, std::size_t size, ferry::metrics::registry* reg) {
+  point_result p;
+  p.block = size;
+  std::string host;
+  std::uint16_t port = 0;
+  split_host_port(c.connect, "--connect", host, port);
+  const auto tmo = ms(c.timeout);
+  control_socket ctl = control_socket::connect(host, port, tmo);
+  const std::size_t slots = slots_for(c);
+  std::ostringstream hello;
+  hello << "hello backend=" << c.backend << " op=" << c.op << " threads=" << c.threads << " slots=" << slots
+        << " block=" << size << " transport=" << c.transport << " duration=" << c.duration
+        << " timeout=" << c.timeout;
+  ctl.send_line(hello.str(), tmo);
+  std::string word;
+  const std::string reply = ctl.read_line(tmo);
+  auto fields = parse_fields(reply, word);
+  if (word != "ready") throw control_error("target refused the run: " + reply);
+  const auto data_port = static_cast<std::uint16_t>(std::stoul(fields["port"]));
+  const run_shape shape = shape_of(c, size);
+  ferry::progress_executor exec(executor_of(c));
+  const bool write = c.op == "write";
+  if (c.backend == "tcp") {
+#if FERRY_PERF_HAVE_URING
+    ferry::uring::ring_options ro;
+    ro.metrics = c.metrics ? reg : nullptr;
+    ferry::uring::ring ring(exec, ro);
+    {
+      std::vector<std::unique_ptr<channel>> channels;
+      for (std::size_t t = 0; t < c.threads; ++t) {
+        channels.push_back(std::make_unique<tcp_channel>(
+            ferry::uring::tcp_connection::connect(ring, host, data_port), write, slots, size));
+      }
+      run_threads(exec, channels, shape, p);
+    }
+#endif
+  } else if (c.backend == "ucx") {
+#if FERRY_PERF_HAVE_UCX
+    ferry::ucx::worker_options wo;
+    wo.transports = c.transport;
+    wo.metrics = c.metrics ? reg : nullptr;
+    ferry::ucx::worker worker(exec, wo);
+    {
+      std::vector<std::unique_ptr<channel>> channels;
+      for (std::size_t t = 0; t < c.threads; ++t) {
+        ferry::ucx::endpoint ep = worker.connect(host, data_port, {}, seconds(c.timeout));
+        const auto regions = ep.peer_regions();
+        if (regions.empty()) throw control_error("the target exposed no memory region");
+        ferry::ucx::memory_region local = worker.allocate(slots * size);
+        channels.push_back(std::make_unique<ucx_channel>(ep, std::move(local), regions[0], t * slots * size, write,
+                                                         size, seconds(c.timeout)));
+      }
+      run_threads(exec, channels, shape, p);
+    }
+#endif
+  }
+  // The data connections are closed: the target's side of them has ended.
+  try {
+    ctl.send_line("done", tmo);
+    const std::string cpu = ctl.read_line(tmo + ms(5));
+    auto f = parse_fields(cpu, word);
+    if (word == "cpu") {
+      p.target_reported = true;
+      p.target_process = {std::stod(f["user_s"]), std::stod(f["system_s"])};
+      p.target_ops = std::stoull(f["ops"]);
+    }
+  } catch (const std::exception& e) {
+    if (p.error.empty()) p.error = std::string("target did not report its CPU time: ") + e.what();
+  }
+  return p;
+}
+
+// ---- file
+
+point_result file_point(const config& c, std::size_t size, ferry::metrics::registry* reg) {
+  point_result p;
+  p.block = size;
+#if FERRY_PERF_HAVE_URING
+  const int flags = O_RDWR | O_CREAT | O_CLOEXEC | (c.direct ? O_DIRECT : 0);
+  const int fd = ::open(c.path.c_str(), flags, 0644);
+  if (fd < 0) throw std::system_error(errno, std::system_category(), "open " + c.path);
+  struct closer {
+    int fd;
+    ~closer() { ::close(fd); }
+  } close_fd{fd};
+  if (c.file_size < size * c.threads) throw usage_error("--file-size is smaller than one block per thread");
+  // The whole file exists before a read of it: a read past its end would fail as end_of_file.
+  struct stat st{};
+  ::fstat(fd, &st);
+  if (static_cast<std::size_t>(st.st_size) < c.file_size) {
+    ferry::uring::aligned_buffer chunk(std::size_t{1} << 20);
+    for (std::size_t i = 0; i < chunk.size(); ++i) chunk.data()[i] = static_cast<std::byte>(i * 7);
+    for (std::size_t off = 0; off < c.file_size; off += chunk.size()) {
+      const std::size_t n = std::min(chunk.size(), c.file_size - off);
+      if (::pwrite(fd, chunk.data(), c.direct ? chunk.size() : n, static_cast<off_t>(off)) < 0) {
+        throw std::system_error(errno, std::system_category(), "filling " + c.path);
+      }
+    }
+    if (::ftruncate(fd, static_cast<off_t>(c.file_size)) != 0 || ::fsync(fd) != 0) {
+      throw std::system_error(errno, std::system_category(), "sizing " + c.path);
+    }
+  }
+  ferry::progress_executor exec(executor_of(c));
+  ferry::uring::ring_options ro;
+  ro.metrics = c.metrics ? reg : nullptr;
+  ro.entries = static_cast<unsigned>(std::max<std::size_t>(256, slots_for(c) * c.threads));
+  ferry::uring::ring ring(exec, ro);
+  std::vector<std::unique_ptr<channel>> channels;
+  const std::uint64_t share = c.file_size / c.threads / size * size;
+  for (std::size_t t = 0; t < c.threads; ++t) {
+    channels.push_back(std::make_unique<file_channel>(ring, fd, c.op == "write", slots_for(c), size, t * share,
+                                                      share, static_cast<unsigned>(t + 1)));
+  }
+  run_threads(exec, channels, shape_of(c, size), p);
+#else
+  (void)c;
+  (void)reg;
+#endif
+  return p;
+}
+
+// ---- target
+
+struct session_stats {
+  std::atomic<std::uint64_t> ops{0};
+};
+
+#if FERRY_PERF_HAVE_URING
+// Serves one data connection: receives kept posted in every slot, in order; each write is
+// acknowledged with an empty frame, each read request answered with that many bytes.
+void serve_tcp(ferry::uring::tcp_connection& conn, std::size_t slots, std::size_t block,
+               std::atomic<bool>& stop, session_stats& stats) {
+  std::vector<std::byte> rx(slots * block);
+  std::vector<std::byte> tx(block);
+  std::vector<ferry::uring::received_block> got(slots);
+  std::vector<ferry::transfer> receives(slots);
+  std::vector<ferry::transfer> sends;
+  for (std::size_t i = 0; i < slots; ++i) receives[i] = conn.receive(std::span(rx.data() + i * block, block), got[i]);
+  for (std::size_t i = 0;; i = (i + 1) % slots) {
+    ferry::transfer_state st = ferry::transfer_state::pending;
+    while (st == ferry::transfer_state::pending && !stop.load(std::memory_order_relaxed)) {
+      st = receives[i].wait_for(100ms);
+    }
+    if (st != ferry::transfer_state::success) break;
+    const std::uint64_t id = got[i].id;
+    if ((id & read_request) != 0) {
+      sends.push_back(conn.send(id, std::span<const std::byte>(tx.data(), std::min<std::size_t>(id & ~read_request, block))));
+    } else {
+      sends.push_back(conn.send(id, {}));
+    }
+    stats.ops.fetch_add(1, std::memory_order_relaxed);
+    receives[i] = conn.receive(std::span(rx.data() + i * block, block), got[i]);
+    if (sends.size() > 4 * slots) {
+      std::erase_if(sends, [](const ferry::transfer& t) { return t.done(); });
+    }
+  }
+  conn.close();
+  (void)ferry::drain(std::span<const ferry::transfer>(sends), 2s);
+  (void)ferry::drain(std::span<const ferry::transfer>(receives), 2s);
+}
+#endif
+
+void target_session(const config& c, control_socket& ctl, const std::string& host) {
+  const auto tmo = ms(c.timeout);
+  std::string word;
+  auto hello = parse_fields(ctl.read_line(tmo), word);
+  if (word != "hello") throw control_error("not a ferry-perf initiator (no hello)");
+  const std::string backend = hello["backend"];
+  const std::size_t threads = std::stoul(hello["threads"]);
+  const std::size_t slots = std::stoul(hello["slots"]);
+  const std::size_t block = std::stoul(hello["block"]);
+  const double duration = std::stod(hello["duration"]);
+  const double run_timeout = std::stod(hello["timeout"]);
+  if (threads == 0 || threads > 64 || slots == 0 || block == 0 || threads * slots * block > (std::size_t{8} << 30)) {
+    ctl.send_line("error the run asks for more memory than the target gives (8 GiB)", tmo);
+    return;
+  }
+  if (backend != c.backend) {
+    ctl.send_line("error this target serves --backend " + c.backend + ", not " + backend, tmo);
+    return;
+  }
+  session_stats stats;
+  const cpu_times before = rusage_of(RUSAGE_SELF);
+  ferry::progress_executor exec(executor_of(c));
+  // The initiator says "done" after its run, or goes away; both end the session.
+  auto wait_done = [&] {
+    try {
+      (void)ctl.read_line(ms(duration + 4 * run_timeout + 30));
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "ferry-perf target: %s\n", e.what());
+    }
+  };
+  auto report = [&] {
+    const cpu_times used = minus(rusage_of(RUSAGE_SELF), before);
+    std::ostringstream line;
+    line << "cpu user_s=" << used.user_s << " system_s=" << used.system_s << " ops=" << stats.ops.load();
+    try {
+      ctl.send_line(line.str(), tmo);
+    } catch (const std::exception&) {
+    }
+  };
+  if (backend == "tcp") {
+#if FERRY_PERF_HAVE_URING
+    ferry::uring::ring ring(exec);
+    ferry::uring::tcp_listener listener(host, 0);
+    ctl.send_line("ready port=" + std::to_string(listener.port()), tmo);
+    std::vector<ferry::uring::tcp_connection> conns;
+    for (std::size_t t = 0; t < threads; ++t) {
+      pollfd pf{listener.native_handle(), POLLIN, 0};
+      if (::poll(&pf, 1, static_cast<int>(tmo.count())) != 1) throw control_error("the initiator's data connections did not arrive");
+      conns.push_back(listener.accept(ring));
+    }
+    std::atomic<bool> stop{false};
+    std::vector<std::thread> servers;
+    for (auto& conn : conns) servers.emplace_back([&] { serve_tcp(conn, slots, block, stop, stats); });
+    wait_done();
+    stop.store(true);
+    for (auto& s : servers) s.join();
+    conns.clear();
+    report();
+#endif
+  } else if (backend == "ucx") {
+#if FERRY_PERF_HAVE_UCX
+    ferry::ucx::worker_options wo;
+    wo.transports = hello["transport"];
+    ferry::ucx::worker worker(exec, wo);
+    const ferry::ucx::memory_region region = worker.allocate(threads * slots * block);
+    {
+      ferry::ucx::listener listener = worker.listen(host, 0, std::span(&region, 1));
+      ctl.send_line("ready port=" + std::to_string(listener.port()), tmo);
+      std::vector<ferry::ucx::endpoint> eps;
+      for (std::size_t t = 0; t < threads; ++t) eps.push_back(listener.accept(seconds(run_timeout)));
+      wait_done();
+      report();
+    }
+#endif
+  }
+}
+
+int run_target(const config& c) {
+  std::string host;
+  std::uint16_t port = 0;
+  split_host_port(c.listen, "--listen", host, port);
+  const int lfd = listen_control(host, port);
+  std::fprintf(stderr, "ferry-perf target: %s on %s\n", c.backend.c_str(), c.listen.c_str());
+  for (;;) {
+    const int fd = accept_within(lfd, 1000ms);
+    if (fd < 0) continue;
+    control_socket ctl(fd);
+    try {
+      target_session(c, ctl, host);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "ferry-perf target: run ended: %s\n", e.what());
+      try {
+        ctl.send_line(std::string("error ") + e.what(), 1s);
+      } catch (...) {
+      }
+    }
+    if (c.once) break;
+  }
+  ::close(lfd);
+  return 0;
+}
+
+std::string environment_json(const config& c) {
+  utsname u{};
+  ::uname(&u);
+  std::ostringstream o;
+  o << "{\"ferry_version\":" << json_string(FERRY_VERSION) << ",\"ferry_perf_version\":" << json_string(FERRY_VERSION)
+    << ",\"compiler\":" << json_string(__VERSION__) << ",\"kernel\":" << json_string(std::string(u.sysname) + " " + u.release)
+    << ",\"host\":" << json_string(u.nodename) << ",\"cpus\":" << std::thread::hardware_concurrency();
+#if FERRY_PERF_HAVE_UCX
+  if (c.backend == "ucx" && c.mode != "file") {
+    unsigned maj = 0, min = 0, rel = 0;
+    ::ucp_get_version(&maj, &min, &rel);
+    o << ",\"ucx_version\":" << json_string(std::to_string(maj) + "." + std::to_string(min) + "." + std::to_string(rel));
+  }
+#endif
+  (void)c;
+  o << "}";
+  return o.str();
+}
+
+std::string metrics_json(const ferry::metrics::registry& reg) {
+  const ferry::metrics::snapshot s = reg.snapshot();
+  std::ostringstream o;
+  o << "{\"backend\":" << json_string(s.backend) << ",\"operations\":[";
+  bool first = true;
+  for (const auto& op : s.operations) {
+    if (op.count() == 0) continue;
+    o << (first ? "" : ",") << "{\"op\":" << json_string(op.kind) << ",\"peer\":" << json_string(op.peer)
+      << ",\"succeeded\":" << op.succeeded << ",\"failed\":" << op.failed << ",\"bytes\":" << op.bytes
+      << ",\"latency_sum_ns\":" << op.latency_sum_ns << ",\"latency_ns\":{\"p50\":" << op.quantile(0.5).count()
+      << ",\"p90\":" << op.quantile(0.9).count() << ",\"p99\":" << op.quantile(0.99).count()
+      << ",\"p999\":" << op.quantile(0.999).count() << "}}";
+    first = false;
+  }
+  o << "]}";
+  return o.str();
+}
+
+int run_measurements(const config& c) {
+  ferry::metrics::registry reg(c.mode == "file" ? "uring" : c.backend == "tcp" ? "uring" : c.backend);
+  std::vector<point_result> points;
+  watchdog dog;
+  std::printf("ferry-perf %s: %s %s, %s, batch %zu, depth %zu, threads %zu, executor %s, %.1f s per size\n",
+              c.mode.c_str(), c.mode == "file" ? "file" : c.backend.c_str(), c.op.c_str(), c.workload.c_str(),
+              c.batch, c.depth, c.threads, c.executor.c_str(), c.duration);
+  print_table_header(c);
+  int status = 0;
+  for (std::size_t size : c.sizes) {
+    dog.arm(seconds(c.duration + 6 * c.timeout + 30), "the " + size_name(size) + " run");
+    point_result p;
+    try {
+      p = c.mode == "file" ? file_point(c, size, &reg) : initiator_point(c, size, &reg);
+    } catch (const usage_error&) {
+      throw;
+    } catch (const std::exception& e) {
+      p.block = size;
+      p.error = e.what();
+    }
+    dog.disarm();
+    print_row(c, p);
+    points.push_back(std::move(p));
+    if (!points.back().error.empty()) {
+      std::fprintf(stderr, "ferry-perf: %s run failed: %s\n", size_name(size).c_str(), points.back().error.c_str());
+      status = 1;
+      break;
+    }
+  }
+  if (!c.json.empty()) write_json(c.json, c, environment_json(c), points, metrics_json(reg));
+  if (!c.plot.empty()) write_svg(c.plot, c, points);
+  if (!c.prometheus.empty()) {
+    std::ofstream f(c.prometheus);
+    ferry::metrics::write_prometheus(f, reg);
+    if (!f) throw std::runtime_error("cannot write " + c.prometheus);
+  }
+  return status;
+}
+
+}  // namespace
+}  // namespace ferry_perf
+
+int main(int argc, char** argv) {
+  using namespace ferry_perf;
+  ::signal(SIGPIPE, SIG_IGN);
+  if (argc >= 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h" ||
+                    std::string(argv[1]) == "help")) {
+    std::fputs(usage_text(), stdout);
+    return 0;
+  }
+  try {
+    const config c = parse(argc, argv);
+    check_backend(c.mode == "file" ? "file" : c.backend);
+    if (c.mode == "target") return run_target(c);
+    return run_measurements(c);
+  } catch (const usage_error& e) {
+    std::fprintf(stderr, "ferry-perf: %s\n\n%s", e.what(), usage_text());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "ferry-perf: %s\n", e.what());
+    return 1;
+  }
+}
