@@ -14,6 +14,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <ferry/metrics.hpp>
 #include <ferry/testing.hpp>
 #include <ferry/task.hpp>
 #include <ferry/uring/aligned_buffer.hpp>
@@ -438,4 +439,52 @@ TEST_CASE("uring: 10^5 mixed reads and writes from several threads, every comple
   CHECK(succeeded.load() == expected);
   CHECK(mismatched.load() == 0);
   CHECK(r.counters().completed >= static_cast<std::uint64_t>(expected));
+}
+
+TEST_CASE("uring: a ring given a metrics registry records each read and write that ends, by outcome",
+          "[uring]") {
+  ferry::metrics::registry metrics("uring");
+  cached_blocks file(7);
+  std::vector<std::byte> dst(cached_blocks::n * cached_blocks::block);
+  {
+    ferry::progress_executor exec;
+    uring::ring_options options;
+    options.metrics = &metrics;
+    uring::ring ring(exec, options);
+    const auto reads = cached_blocks::reads_into(dst);
+    std::vector<ferry::transfer> out(reads.size());
+    ring.read_batch(file.fd.get(), reads, out);
+    REQUIRE(ferry::wait_all(out, hang_bound).ok());
+    REQUIRE(ring.write(file.fd.get(), std::span<const std::byte>(dst).first(100), 0).wait_for(hang_bound) ==
+            transfer_state::success);
+    // Past the end of the file: fails with end_of_file.
+    REQUIRE(ring.read(file.fd.get(), std::span(dst).first(4096), cached_blocks::n * cached_blocks::block)
+                .wait_for(hang_bound) == transfer_state::failed);
+  }
+  const ferry::metrics::snapshot s = metrics.snapshot();
+  auto find = [&](const char* kind) {
+    for (const auto& o : s.operations) {
+      if (o.kind == kind) return o;
+    }
+    FAIL("no " << kind);
+    return ferry::metrics::operation_snapshot{};
+  };
+  const auto read = find("read");
+  CHECK(read.succeeded == cached_blocks::n);
+  CHECK(read.failed == 1);
+  CHECK(read.bytes == cached_blocks::n * cached_blocks::block);
+  CHECK(read.latency_sum_ns > 0);
+  const auto write = find("write");
+  CHECK(write.succeeded == 1);
+  CHECK(write.bytes == 100);
+}
+
+TEST_CASE("uring: a ring without a metrics registry records nothing and works as before", "[uring]") {
+  ferry::metrics::registry metrics("uring");
+  cached_blocks file(9);
+  std::vector<std::byte> dst(cached_blocks::block);
+  ferry::progress_executor exec;
+  uring::ring ring(exec);
+  REQUIRE(ring.read(file.fd.get(), dst, 0).wait_for(hang_bound) == transfer_state::success);
+  CHECK(metrics.snapshot().operations.empty());
 }

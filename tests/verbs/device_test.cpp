@@ -18,6 +18,7 @@
 #include <vector>
 
 #include <ferry/ferry.hpp>
+#include <ferry/metrics.hpp>
 #include <ferry/testing/verbs.hpp>
 #include <ferry/verbs/device.hpp>
 
@@ -416,4 +417,39 @@ TEST_CASE("verbs: a request whose deadline passed keeps that reason when the dev
   r.reset();
   REQUIRE(t.state() == transfer_state::failed);
   CHECK(t.error() == fv::errc::deadline_exceeded);
+}
+
+TEST_CASE("verbs: a device given a metrics registry records each WRITE and READ, batches included",
+          "[verbs]") {
+  ferry::metrics::registry metrics("verbs");
+  {
+    ferry::progress_executor exec;
+    fv::device_options o{fresh_device("metrics"), 1, 0, 4096};
+    o.metrics = &metrics;
+    device a(exec, o);
+    device b(exec, fv::device_options{fresh_device("metrics_b"), 1, 0, 4096});
+    region a_mem = region::allocate(a, 1 << 16);
+    region b_mem = region::allocate(b, 1 << 16);
+    queue_pair a_qp(a, fv::queue_pair_options{});
+    queue_pair b_qp(b, fv::queue_pair_options{});
+    a_qp.connect(b_qp.local_info());
+    b_qp.connect(a_qp.local_info());
+    REQUIRE(a_qp.write(a_mem.slice(0, 4096), b_mem.remote().slice(0, 4096)).wait_for(hang_bound) ==
+            transfer_state::success);
+    std::vector<block> blocks;
+    for (std::size_t i = 0; i < 3; ++i) {
+      blocks.push_back({a_mem.slice(i * 1024, 1024), b_mem.remote().slice(i * 1024, 1024)});
+    }
+    std::vector<transfer> out(blocks.size());
+    a_qp.read_batch(blocks, out);
+    REQUIRE(ferry::wait_all(out, hang_bound).ok());
+  }
+  const ferry::metrics::snapshot s = metrics.snapshot();
+  REQUIRE(s.operations.size() == 2);
+  CHECK(s.operations[0].kind == "write");
+  CHECK(s.operations[0].succeeded == 1);
+  CHECK(s.operations[0].bytes == 4096);
+  CHECK(s.operations[1].kind == "read");
+  CHECK(s.operations[1].succeeded == 3);
+  CHECK(s.operations[1].bytes == 3 * 1024);
 }

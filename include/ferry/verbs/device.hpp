@@ -68,6 +68,7 @@
 #include <vector>
 
 #include "ferry/detail/block_pool.hpp"
+#include "ferry/metrics.hpp"
 #include "ferry/detail/status_block.hpp"
 #include "ferry/detail/submission_stack.hpp"
 #include "ferry/detail/timeout.hpp"
@@ -108,6 +109,7 @@ class basic_device : detail::qp_setup<P>,
 
   explicit basic_device(progress_executor& exec, device_options options = {})
       : exec_(exec), options_(std::move(options)) {
+    meter_.attach(options_.metrics, {"write", "read"});  // op_kind's order
     try {
       open();
       watcher_.start(context_, exec_);
@@ -342,12 +344,16 @@ class basic_device : detail::qp_setup<P>,
 
   // Publishes a unit (its lead; members hang off unit_next). After it the executor owns the unit.
   void publish(op_body* lead) noexcept {
+    if (lead->kind == detail::op_kind::write || lead->kind == detail::op_kind::read) {
+      lead->published_ns = meter_.stamp();
+    }
     incoming_.push(lead);
     exec_.notify();
   }
 
   progress_executor& exec_;
   device_options options_;
+  ferry::metrics::backend_meter meter_;  // set by the constructor; recorded into by the executor
   std::string name_;
   typename P::context_handle context_{};
   typename P::pd_handle pd_{};

@@ -5,6 +5,10 @@
 #include <cstdint>
 #include <string>
 
+namespace ferry::metrics {
+class registry;
+}  // namespace ferry::metrics
+
 namespace ferry::verbs {
 
 struct device_options {
@@ -12,6 +16,9 @@ struct device_options {
   std::uint8_t port = 1;
   int gid_index = 0;             // the source GID when the port's link layer is Ethernet (RoCE)
   int completion_queue_entries = 4096;
+  // Where the device records each READ and WRITE that ends (metrics.hpp); it must outlive the
+  // device. Null: nothing is recorded, at the cost of one test per request.
+  ferry::metrics::registry* metrics = nullptr;
 };
 
 struct queue_pair_options {

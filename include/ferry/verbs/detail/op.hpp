@@ -56,6 +56,7 @@ struct op_body {
   op_body* list_next = nullptr;
   op_body* expired_next = nullptr;
   std::uint64_t payload = 0;         // a notification's value, sent inline
+  std::uint64_t published_ns = 0;    // a lead's, on a device that records metrics
   std::uint64_t* value_out = nullptr;  // where a received notification's value goes
   ibv_sge sge{};
   ibv_send_wr wr{};

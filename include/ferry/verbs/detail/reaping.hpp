@@ -196,9 +196,13 @@ struct reaping {
     if (lead->kind != op_kind::peer_check) {
       q->credits.fetch_add(lead->unit_size, std::memory_order_release);
     }
+    const std::uint64_t published = lead->published_ns;
     for (op_body* m = lead; m != nullptr;) {
       op_body* next = m->unit_next;
       ferry::detail::status_block* s = m->status;
+      // op_kind's write and read are the meter's kinds 0 and 1; the rest were never stamped.
+      self().meter_.record(static_cast<std::size_t>(m->kind), published, m->sge.length,
+                           to == transfer_state::success && s->state() != transfer_state::failed);
       region_state* r = m->region;
       op::free(m);
       // The adapter is done with the memory: the region goes first, so that a continuation resumed
