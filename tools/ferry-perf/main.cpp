@@ -279,7 +279,10 @@ std::size_t slots_for(const config& c) {
   return c.workload == "kv" ? c.layers * c.requests * c.batch : c.batch * c.depth;
 }
 
-ferry::task<void> measure(ferry::progress_executor& exec, channel& ch, const run_shape& s,
+// The batches' deadlines are served by the process-wide timer thread rather than the executor's:
+// the executor is destroyed right after each block size's run, and a when_all that has resumed can
+// still be unlinking its timer there (the executor then aborts: timers still armed).
+ferry::task<void> measure(channel& ch, const run_shape& s,
                           std::atomic<std::uint64_t>& progress, std::atomic<bool>& stop, thread_result& out) {
   const auto until = clk::now() + s.duration;
   if (s.workload == "kv") {
@@ -293,7 +296,7 @@ ferry::task<void> measure(ferry::progress_executor& exec, channel& ch, const run
         ch.submit(l * per_layer, per_layer, s.size, layers[l]);
       }
       for (std::size_t l = 0; l < s.layers; ++l) {
-        const ferry::batch_result r = co_await ferry::when_all(exec, std::span<const ferry::transfer>(layers[l]), s.timeout);
+        const ferry::batch_result r = co_await ferry::when_all(std::span<const ferry::transfer>(layers[l]), s.timeout);
         if (!r.ok()) {
           out.error = "kv layer " + std::to_string(l) + ": " + describe(r, layers[l]);
           break;
@@ -318,7 +321,7 @@ ferry::task<void> measure(ferry::progress_executor& exec, channel& ch, const run
   for (std::size_t i = 0;; i = (i + 1) % s.depth) {
     auto& b = inflight[i];
     if (b.empty()) break;
-    const ferry::batch_result r = co_await ferry::when_all(exec, std::span<const ferry::transfer>(b), s.timeout);
+    const ferry::batch_result r = co_await ferry::when_all(std::span<const ferry::transfer>(b), s.timeout);
     if (!r.ok()) {
       out.error = describe(r, b);
       break;
@@ -338,7 +341,7 @@ ferry::task<void> measure(ferry::progress_executor& exec, channel& ch, const run
 }
 
 // Runs every thread's loop on its channel and fills the point's figures.
-void run_threads(ferry::progress_executor& exec, std::vector<std::unique_ptr<channel>>& channels,
+void run_threads(std::vector<std::unique_ptr<channel>>& channels,
                  const run_shape& s, point_result& p) {
   std::atomic<std::uint64_t> progress{0};
   std::atomic<bool> stop{false};
@@ -351,7 +354,7 @@ void run_threads(ferry::progress_executor& exec, std::vector<std::unique_ptr<cha
       const cpu_times mine = rusage_of(RUSAGE_THREAD);
       try {
         ferry::run_loop loop;
-        ferry::sync_wait(loop, measure(exec, *channels[t], s, progress, stop, results[t]));
+        ferry::sync_wait(loop, measure(*channels[t], s, progress, stop, results[t]));
       } catch (const std::exception& e) {
         results[t].error = e.what();
       }
@@ -457,7 +460,7 @@ point_result initiator_point(const config& c, std::size_t size, ferry::metrics::
         channels.push_back(std::make_unique<tcp_channel>(
             ferry::uring::tcp_connection::connect(ring, host, data_port), write, slots, size));
       }
-      run_threads(exec, channels, shape, p);
+      run_threads(channels, shape, p);
     }
 #endif
   } else if (c.backend == "ucx") {
@@ -476,7 +479,7 @@ point_result initiator_point(const config& c, std::size_t size, ferry::metrics::
         channels.push_back(std::make_unique<ucx_channel>(ep, std::move(local), regions[0], t * slots * size, write,
                                                          size, seconds(c.timeout)));
       }
-      run_threads(exec, channels, shape, p);
+      run_threads(channels, shape, p);
     }
 #endif
   }
@@ -537,7 +540,7 @@ point_result file_point(const config& c, std::size_t size, ferry::metrics::regis
     channels.push_back(std::make_unique<file_channel>(ring, fd, c.op == "write", slots_for(c), size, t * share,
                                                       share, static_cast<unsigned>(t + 1)));
   }
-  run_threads(exec, channels, shape_of(c, size), p);
+  run_threads(channels, shape_of(c, size), p);
 #else
   (void)c;
   (void)reg;
