@@ -35,7 +35,8 @@ ucx::worker_options over(const std::string& transports) {
 
 // One side: its own executor and worker, as a process of its own would have.
 struct side {
-  explicit side(const std::string& transports) : exec(), worker(exec, over(transports)) {}
+  explicit side(const std::string& transports) : side(over(transports)) {}
+  explicit side(const ucx::worker_options& options) : exec(), worker(exec, options) {}
   ferry::progress_executor exec;
   ucx::worker worker;
 };
@@ -300,7 +301,9 @@ namespace {
 // thread (a forked copy of UCX's threads would not run in the child).
 struct child_pair {
   child_pair(const std::string& transports, std::span<std::byte> src)
-      : child(transports), a(transports) {
+      : child_pair(over(transports), src) {}
+  child_pair(const ucx::worker_options& options, std::span<std::byte> src)
+      : child(options.transports), a(options) {
     child.exchange(a.worker.address());
     ep = a.worker.connect(child.address);
     remote = ep.import(ucx::remote_region::from_bytes(child.region));
@@ -365,4 +368,49 @@ TEST_CASE("ucx: a peer that dies or hangs ends every request, none stays pending
     auto w = ep.receive_notification(v, 30s);  // UCX's keepalive, or the pid check, ends it
     CHECK(w.wait_for(hang_bound * 3) == transfer_state::failed);
   }
+}
+
+namespace {
+
+ucx::worker_options quick_liveness(const std::string& transports) {
+  ucx::worker_options o = over(transports);
+  o.liveness_interval = 50ms;
+  o.liveness_timeout = 800ms;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("ucx: a notification wait on a stopped peer fails by the liveness check, not at its "
+          "deadline", "[ucx]") {
+  std::vector<std::byte> src(4096, std::byte{7});
+  child_pair p(quick_liveness("tcp"), src);
+  auto& [child, a, ep, remote, local] = p;
+  auto first = ep.put(local.slice(0, 64), remote.slice(0, 64), 10s);
+  REQUIRE(first.wait_for(hang_bound) == transfer_state::success);
+  child.kill(SIGSTOP);
+  std::uint64_t v = 0;
+  auto w = ep.receive_notification(v, 120s);  // nothing else is out on the endpoint
+  REQUIRE(w.wait_for(hang_bound) == transfer_state::failed);
+  CHECK(w.error() == ucx::errc::peer_unresponsive);
+  CHECK(ep.error() == ucx::errc::peer_unresponsive);
+  child.kill(SIGKILL);
+}
+
+TEST_CASE("ucx: a live peer answers the liveness check for as long as a notification wait lasts",
+          "[ucx][concurrency]") {
+  const auto transports = GENERATE(as<std::string>{}, "tcp", "shm");
+  side a(quick_liveness(transports)), b(quick_liveness(transports));
+  auto ab = a.worker.connect(b.worker.address());
+  auto ba = b.worker.connect(a.worker.address());
+  std::uint64_t v = 0;
+  auto w = ab.receive_notification(v, 60s);
+  // Many liveness timeouts pass with the wait pending and nothing else out; the peer's answers
+  // keep the endpoint open. Then the notification ends the wait.
+  CHECK(w.wait_for(2500ms) == transfer_state::pending);
+  auto n = ba.send_notification(42, 10s);
+  REQUIRE(n.wait_for(hang_bound) == transfer_state::success);
+  REQUIRE(w.wait_for(hang_bound) == transfer_state::success);
+  CHECK(v == 42);
+  CHECK_FALSE(ab.error());
 }

@@ -22,6 +22,7 @@ enum class errc : int {
   peer_gone,              // the peer's process has exited (a same-host peer, checked by pid)
   worker_closed,          // the worker was destroyed while the request was queued
   not_executor_safe,      // a blocking call made on the executor's own thread
+  peer_unresponsive,      // the peer left a liveness ping unanswered (a stopped or hung process)
 };
 
 [[nodiscard]] constexpr const char* describe(errc e) noexcept {
@@ -45,6 +46,9 @@ enum class errc : int {
     case errc::not_executor_safe:
       return "blocking UCX call made on the progress executor's own thread, which must progress "
              "the worker for it to finish";
+    case errc::peer_unresponsive:
+      return "the peer did not answer liveness pings within the liveness timeout while a "
+             "notification wait was pending (a stopped or hung process); its endpoint was closed";
   }
   return nullptr;
 }

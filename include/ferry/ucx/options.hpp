@@ -27,6 +27,12 @@ struct worker_options {
   // UCX's KEEPALIVE_INTERVAL: how soon a dead peer is noticed where nothing else tells (shared
   // memory: UCX's default is 20 s). 0 leaves UCX's default.
   std::chrono::milliseconds keepalive = std::chrono::seconds(1);
+  // While a receive_notification is pending with nothing else out on its endpoint, the peer is
+  // pinged every liveness_interval; one that leaves a ping unanswered for liveness_timeout (a
+  // stopped or hung process, which UCX's keepalive does not notice) has its endpoint closed, and
+  // the wait fails with errc::peer_unresponsive. 0 turns the check off.
+  std::chrono::milliseconds liveness_interval = std::chrono::seconds(1);
+  std::chrono::milliseconds liveness_timeout = std::chrono::seconds(10);
   // Any other UCX setting, by its name without the UCX_ prefix ("RNDV_THRESH", "8k").
   std::vector<std::pair<std::string, std::string>> settings;
   // Where the worker records each get and put that ends, per kind and per peer (metrics.hpp); it

@@ -301,6 +301,17 @@ class worker {
   // Every endpoint and listener of this worker must be gone; requests still queued fail with
   // errc::worker_closed. Memory regions may outlive it (they keep the context).
   ~worker() {
+    // The liveness timer is the executor's: disarmed on its thread, where it fires.
+    if (!engine_->executor().on_executor_thread()) {
+      try {
+        detail::on_executor(*engine_, "ferry::ucx::worker: stopping the liveness check", [this] {
+          engine_->stop_liveness();
+          return std::error_code{};
+        });
+      } catch (...) {
+        // No memory for the request: ~engine cancels the timer, after the executor let go.
+      }
+    }
     engine_->executor().remove_source(*engine_);
     if (const int open = open_handles_.load(); open != 0) {
       std::fprintf(stderr,

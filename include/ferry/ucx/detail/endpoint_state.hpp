@@ -5,6 +5,7 @@
 #include <ucp/api/ucp.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -45,6 +46,8 @@ struct endpoint_state {
   std::deque<std::uint64_t> notifications;
   std::deque<request*> notification_waiters;
   std::size_t in_flight = 0;  // UCX requests out on this endpoint
+  bool ping_out = false;      // a liveness ping not yet answered, sent at ping_sent
+  std::chrono::steady_clock::time_point ping_sent{};
 
   // Why the endpoint can carry nothing more (empty while it can). Written once, on the executor.
   void fail(std::error_code ec) {

@@ -17,6 +17,12 @@
 // on it at once, so the request ends only once UCX has let go of its buffers, and drain() of a
 // batch means its memory is quiescent. A same-host peer is checked by pid before a success is
 // reported, since shared memory reports success into the segment of a peer that has died.
+//
+// Liveness. A notification wait with nothing else out on its endpoint has no UCX request that a
+// dead or hung peer could fail, and UCX's keepalive never notices a peer that is stopped rather
+// than gone. While such a wait is pending the executor pings the peer (an active message its
+// executor answers), and closes the endpoint when no answer comes within the liveness timeout or
+// a same-host peer's pid has exited: the wait then fails at once instead of at its deadline.
 
 #include <ucp/api/ucp.h>
 
@@ -29,6 +35,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
@@ -55,7 +63,7 @@ namespace ferry::ucx::detail {
 
 inline constexpr unsigned am_id = 0x6665;  // ferry's active messages on a worker
 inline constexpr std::uint32_t am_magic = 0x4d415846;  // "FXAM"
-enum class am_kind : std::uint32_t { notification = 1, hello = 2 };
+enum class am_kind : std::uint32_t { notification = 1, hello = 2, ping = 3, pong = 4 };
 
 struct am_header {
   std::uint32_t magic = am_magic;
@@ -172,6 +180,15 @@ class engine {
       self_.pid = static_cast<std::uint32_t>(::getpid());
       peer_errors_ = options.peer_error_handling;
       meter_.attach(options.metrics, {"put", "get"});  // request_kind's order
+      liveness_interval_ = options.liveness_interval;
+      liveness_timeout_ = options.liveness_timeout;
+      for (auto [header, kind] : {std::pair{&ping_header_, am_kind::ping},
+                                  std::pair{&pong_header_, am_kind::pong}}) {
+        am_header h;
+        h.kind = kind;
+        h.sender = self_;
+        std::memcpy(header->data(), &h, sizeof h);
+      }
     } catch (...) {
       ::ucp_worker_destroy(worker_);
       throw;
@@ -191,6 +208,7 @@ class engine {
     for (const auto& l : std::vector<std::shared_ptr<listener_state>>(listeners_)) {
       close_listener(*l);
     }
+    if (liveness_armed_) (void)exec_.timers().cancel(liveness_timer_);
     ::ucp_worker_destroy(worker_);
   }
 
@@ -208,6 +226,12 @@ class engine {
   // The executor's calls (completion_source.hpp).
   std::size_t poll(std::size_t budget) noexcept {
     std::size_t n = incoming_.take([this](request* r) { arrive(r); });
+    if (liveness_timer_.fired) {
+      liveness_timer_.fired = false;
+      liveness_armed_ = false;
+      check_liveness();
+      ++n;
+    }
     while (n < budget) {
       const unsigned events = ::ucp_worker_progress(worker_);
       if (events == 0) break;
@@ -532,8 +556,92 @@ class engine {
       return finish_all(r, {});
     }
     if (const std::error_code ec = check_endpoint(r)) return refuse(r, ec);
+    try {
+      e->notification_waiters.push_back(r);
+    } catch (...) {
+      return refuse(r, make_error_code(std::errc::not_enough_memory));
+    }
     arm_deadline(r);
-    e->notification_waiters.push_back(r);
+    arm_liveness();
+  }
+
+  // ---- liveness of peers that notification waits wait on
+ public:
+  // On the executor thread, before the engine goes: the timer may then neither fire nor be armed.
+  void stop_liveness() noexcept {
+    liveness_interval_ = std::chrono::milliseconds(0);
+    if (liveness_armed_) (void)exec_.timers().cancel(liveness_timer_);
+    liveness_armed_ = false;
+    liveness_timer_.fired = false;
+  }
+
+ private:
+  void arm_liveness() noexcept {
+    if (liveness_armed_ || liveness_interval_.count() <= 0) return;
+    liveness_timer_.deadline = ferry::detail::clock::now() + liveness_interval_;
+    // Fired on the executor's thread, which then polls: poll() does the check.
+    liveness_timer_.fire = [](ferry::detail::timer_node* t) noexcept {
+      static_cast<flag_timer*>(t)->fired = true;
+    };
+    try {
+      exec_.timers().arm(liveness_timer_);
+      liveness_armed_ = true;
+    } catch (...) {
+      // No memory for the timer heap: the waits end by their deadlines, as without the check.
+    }
+  }
+
+  // Every endpoint a notification wait is pending on with nothing else out: a same-host peer whose
+  // pid has exited, or a peer that left a ping unanswered for the liveness timeout, has its
+  // endpoint closed (which fails the waits); otherwise it is pinged.
+  void check_liveness() noexcept {
+    const auto now = ferry::detail::clock::now();
+    bool waiting = false;
+    std::vector<std::shared_ptr<endpoint_state>> endpoints;
+    try {
+      endpoints = endpoints_;
+    } catch (...) {
+      return arm_liveness();
+    }
+    for (const auto& e : endpoints) {
+      if (e->ep == nullptr || e->notification_waiters.empty()) continue;
+      if (e->in_flight != 0) {
+        // Its own requests carry the endpoint's fate (and their deadlines); start over after.
+        e->ping_out = false;
+        waiting = true;
+        continue;
+      }
+      if (e->peer_pidfd >= 0 && process_exited(e->peer_pidfd)) {
+        close_endpoint(*e, make_error_code(errc::peer_gone));
+        continue;
+      }
+      if (e->ping_out) {
+        if (now - e->ping_sent >= liveness_timeout_) {
+          close_endpoint(*e, make_error_code(errc::peer_unresponsive));
+          continue;
+        }
+      } else {
+        e->ping_out = true;
+        e->ping_sent = now;
+        send_control(*e, ping_header_);
+      }
+      waiting = true;
+    }
+    if (waiting) arm_liveness();
+  }
+
+  // A ping or pong: nothing waits for it to end, and its header is the engine's own.
+  void send_control(endpoint_state& e, const std::array<unsigned char, sizeof(am_header)>& header) {
+    if (e.ep == nullptr) return;
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK;
+    p.cb.send = [](void* ucx_request, ucs_status_t, void*) noexcept {
+      ::ucp_request_free(ucx_request);
+    };
+    const ucs_status_ptr_t sp =
+        ::ucp_am_send_nbx(e.ep, am_id, header.data(), header.size(), nullptr, 0, &p);
+    // Failed at once: the endpoint's error handler reports it, or the unanswered ping does.
+    (void)sp;
   }
 
   void deliver_notification(endpoint_state& e, std::uint64_t value) noexcept {
@@ -572,6 +680,16 @@ class engine {
           self.early_notifications_[h.sender.worker_id].push_back(h.value);
         } catch (...) {
         }
+      }
+      return UCS_OK;
+    }
+    if (h.kind == am_kind::ping || h.kind == am_kind::pong) {
+      auto it = self.by_worker_.find(h.sender.worker_id);
+      if (it == self.by_worker_.end()) return UCS_OK;
+      if (h.kind == am_kind::ping) {
+        self.send_control(*it->second, self.pong_header_);
+      } else {
+        it->second->ping_out = false;
       }
       return UCS_OK;
     }
@@ -924,6 +1042,15 @@ class engine {
   std::vector<std::shared_ptr<listener_state>> listeners_;
   std::unordered_map<std::uint64_t, endpoint_state*> by_worker_;
   std::unordered_map<std::uint64_t, std::vector<std::uint64_t>> early_notifications_;
+  std::chrono::milliseconds liveness_interval_{};
+  std::chrono::milliseconds liveness_timeout_{};
+  struct flag_timer : ferry::detail::timer_node {
+    bool fired = false;  // executor thread only
+  };
+  flag_timer liveness_timer_;
+  bool liveness_armed_ = false;
+  std::array<unsigned char, sizeof(am_header)> ping_header_{};
+  std::array<unsigned char, sizeof(am_header)> pong_header_{};
 };
 
 }  // namespace ferry::ucx::detail
