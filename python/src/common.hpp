@@ -9,6 +9,7 @@
 // buffer, setting a future's result) happens later on a thread that holds it.
 
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <chrono>
 #include <cstddef>

@@ -50,6 +50,12 @@ struct busy_scope {
   busy_scope& operator=(const busy_scope&) = delete;
 };
 
+// Sets the tracker busy again when submit returns (or raises).
+struct busy_again {
+  py_tracker& t;
+  ~busy_again() { t.busy = true; }
+};
+
 py::dict transfer_error_attrs(const kv::transfer_error& e) {
   py::dict d;
   d["request"] = e.request();
@@ -180,6 +186,10 @@ void add_kv(py::module_& parent) {
              std::vector<py::object> submitted;
              auto call = [&]() -> std::optional<transfer> {
                py::gil_scoped_acquire gil;
+               // submit runs with the GIL, like any call into the tracker from Python: the
+               // tracker's own guard refuses submit calling back into it.
+               t.busy = false;
+               const busy_again again{t};
                py::object r = submit();
                if (r.is_none()) return std::nullopt;
                const transfer tr = r.cast<const py_transfer&>().t;

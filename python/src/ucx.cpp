@@ -225,9 +225,9 @@ void add_ucx(py::module_& parent) {
            [](py_endpoint& e, py::handle timeout) {
              auto keep = std::make_shared<keep_alive>();
              keep->reports_value = true;
-             return py_transfer(
-                 e.endpoint.receive_notification(keep->value, timeout_arg(timeout, "timeout")),
-                 std::move(keep));
+             // The transfer is made first: the keep-alive it writes into is moved afterwards.
+             transfer t = e.endpoint.receive_notification(keep->value, timeout_arg(timeout, "timeout"));
+             return py_transfer(std::move(t), std::move(keep));
            },
            py::arg("timeout") = py::none(),
            "The next notification the peer sent; .value once it succeeded.")

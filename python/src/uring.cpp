@@ -151,7 +151,9 @@ void add_uring(py::module_& parent) {
              auto keep = std::make_shared<keep_alive>();
              const std::span<std::byte> d = keep->hold(dst, true, "destination");
              keep->reports_received = true;
-             return py_transfer(c.get().receive(d, keep->received), std::move(keep));
+             // The transfer is made first: the keep-alive it writes into is moved afterwards.
+             transfer t = c.get().receive(d, keep->received);
+             return py_transfer(std::move(t), std::move(keep));
            },
            py::arg("dst"),
            "Receives the next block into the front of dst; .received gives (id, length) once it "
