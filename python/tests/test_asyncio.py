@@ -171,3 +171,36 @@ def test_awaiting_outside_a_running_loop_is_refused():
     t, _c = ferry.make_manual_transfer()
     with pytest.raises(RuntimeError, match="running event loop"):
         next(iter(t.__await__()))
+
+
+def test_no_wake_up_is_lost_under_completions_racing_the_loop(executor, loopback):
+    # Thousands of awaits ended from the executor's thread (copies, some reordered and delayed by
+    # the injector) and from two Python threads at once, while the loop keeps taking what is
+    # ready: every await must resume. A lost eventfd write would leave one pending until the
+    # bound.
+    mixed = ferry.testing.FaultInjector(executor, delay_rate=0.3, max_delay=0.002,
+                                        reorder_window=16, seed=5)
+
+    async def main():
+        manual = [ferry.make_manual_transfer() for _ in range(1000)]
+
+        def complete(part):
+            for _, c in manual[part::2]:
+                c.succeed()
+
+        copies = [mixed.wrap(loopback.copy(bytearray(64), bytes(64))) for _ in range(2000)]
+        threads = [threading.Thread(target=complete, args=(p,)) for p in (0, 1)]
+
+        async def one(t):
+            return await t
+
+        awaits = [asyncio.ensure_future(one(t)) for t in copies + [t for t, _ in manual]]
+        for th in threads:
+            th.start()
+        states = await asyncio.gather(*awaits)
+        for th in threads:
+            th.join(HANG)
+        return states
+
+    for _ in range(3):
+        assert run(main()) == [State.success] * 3000
