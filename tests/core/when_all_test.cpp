@@ -349,3 +349,31 @@ TEST_CASE("a member that never ends keeps no part of a when_all past its deadlin
   CHECK(wait_until([&] { return b.transfers[0].status()->references() == 2; }));
   b.completers[0].succeed();
 }
+
+TEST_CASE("a when_all that has returned, with its members' completions delivered, leaves no timer "
+          "armed on the executor", "[when_all][concurrency]") {
+  // The executor may then be destroyed at once. The last linked member's notification and the
+  // waiting side's finish race to see which of them leaves only the deadline timer holding the
+  // join; whichever it is must cancel the timer. Member 0 fails (deciding the verdict at once) while
+  // member 1 completes from another thread as the coroutine resumes and finishes.
+  ferry::progress_executor exec;
+  engine_thread engine;
+  constexpr int rounds = 20'000;
+  int armed_after = 0;
+  for (int i = 0; i < rounds; ++i) {
+    batch b(2);
+    std::atomic<bool> done{false};
+    [](ferry::run_loop& l, ferry::progress_executor& e, std::span<const ferry::transfer> ts,
+       std::atomic<bool>& fin) -> detached {
+      co_await hop{l};
+      (void)co_await ferry::when_all(e, ts, std::chrono::seconds(60));
+      fin.store(true, std::memory_order_release);
+    }(engine.loop(), exec, b.transfers, done);
+    std::thread second([&] { b.completers[1].succeed(); });
+    b.completers[0].fail(io_error);
+    second.join();
+    REQUIRE(wait_until([&] { return done.load(std::memory_order_acquire); }));
+    if (!exec.timers().empty()) ++armed_after;
+  }
+  CHECK(armed_after == 0);
+}

@@ -171,17 +171,14 @@ class batch_join {
   // only the ones that do not end cost a sweep.
   void finish() noexcept {
     word_.fetch_or(claimed, std::memory_order_acq_rel);
-    // acquire: a node's reference given back before this load is not counted as linked.
     if (timers_ != nullptr) {
-      if (refs_.load(std::memory_order_acquire) == 2 && timers_->cancel(timer_)) {
-        release();  // the timer's: with it and ours there was nothing linked
-      } else if ((sweep_.fetch_or(finished, std::memory_order_acq_rel) & fired) != 0) {
+      if ((sweep_.fetch_or(finished, std::memory_order_acq_rel) & fired) != 0) {
         sweep();  // the timer ran before this: the sweep is ours
       }
     } else if (refs_.load(std::memory_order_acquire) > 1) {
       hand_over_linked_members();
     }
-    release();
+    release_disarming();
   }
 
  private:
@@ -331,7 +328,7 @@ class batch_join {
     if (node->handoff.exchange(notified, std::memory_order_acq_rel) != sweeping) {
       s->release_transfer_ref();
     }
-    self->drop_member_reference();
+    self->release_disarming();
   }
 
   static bool is_expired(const waiter* w) noexcept {
@@ -400,15 +397,21 @@ class batch_join {
     }
   }
 
-  // A notified node's reference. After finish(), when the only other reference is a timer armed to
-  // sweep, this was the last linked member: the sweep has nothing left to do, so the timer is
-  // cancelled and the join freed now instead of at the deadline.
-  void drop_member_reference() noexcept {
-    if ((sweep_.load(std::memory_order_acquire) & (finished | fired)) == finished &&
-        refs_.load(std::memory_order_acquire) == 2 && timers_->cancel(timer_)) {
-      release();  // the timer's; ours is still held
+  // The waiting side's reference (in finish()) or a notified node's. When the one it leaves is a
+  // timer armed to sweep, nothing is linked any more and the waiting side is done: the timer is
+  // cancelled and the join freed now, not at the deadline, so that the executor owning the timer
+  // may go as soon as the wait has returned and its completions have been delivered. Decided on the
+  // count this decrement returns, not on a load before it: with a load, the waiting side and the
+  // last node could each see the other still holding, and neither cancel. A cancel that succeeds
+  // proves the timer held a reference, so with one left it is the timer's; `finished`, read after
+  // the decrement, publishes timers_ where finish() set it (a blocking wait's hand-over).
+  void release_disarming() noexcept {
+    const std::size_t before = refs_.fetch_sub(1, std::memory_order_acq_rel);
+    if (before == 1) return destroy();
+    if (before == 2 && (sweep_.load(std::memory_order_acquire) & (finished | fired)) == finished &&
+        timers_ != nullptr && timers_->cancel(timer_)) {
+      release();  // the timer's, the last
     }
-    release();
   }
 
   static void post_continuation(batch_join* self) noexcept {
@@ -423,6 +426,7 @@ class batch_join {
   }
 
   void release() noexcept;
+  void destroy() noexcept;
 
   static constexpr std::size_t no_failure = std::numeric_limits<std::size_t>::max();
 
@@ -521,11 +525,13 @@ inline batch_join* batch_join::create(std::size_t members, batch_mode mode) {
 }
 
 inline void batch_join::release() noexcept {
-  if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-    const std::uint8_t size_class = size_class_;
-    this->~batch_join();
-    join_memory::deallocate(static_cast<void*>(this), size_class);
-  }
+  if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) destroy();
+}
+
+inline void batch_join::destroy() noexcept {
+  const std::uint8_t size_class = size_class_;
+  this->~batch_join();
+  join_memory::deallocate(static_cast<void*>(this), size_class);
 }
 
 }  // namespace ferry::detail
