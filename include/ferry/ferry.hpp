@@ -1,9 +1,9 @@
 #pragma once
 // The core of ferry: transfers and completers, batch verdicts (poll_all, wait_all, when_all, drain),
-// posting with backoff, schedulers, tasks, the progress executor, the completion-source contract and
-// the in-memory loopback backend. Each backend has its own header (<ferry/uring.hpp>,
-// <ferry/verbs.hpp>, <ferry/gpu.hpp>), as do the inference-server layer (<ferry/kv.hpp>) and the test
-// doubles (<ferry/testing.hpp>).
+// posting with backoff, schedulers, tasks (spawn, sync_wait), the progress executor, the
+// completion-source contract and the in-memory loopback backend. Each backend has its own header
+// (<ferry/uring.hpp>, <ferry/verbs.hpp>, <ferry/gpu.hpp>), as do the inference-server layer
+// (<ferry/kv.hpp>) and the test doubles (<ferry/testing.hpp>).
 
 #include "ferry/batch_result.hpp"
 #include "ferry/completion_source.hpp"
@@ -14,6 +14,8 @@
 #include "ferry/progress_executor.hpp"
 #include "ferry/run_loop.hpp"
 #include "ferry/scheduler.hpp"
+#include "ferry/spawn.hpp"
+#include "ferry/sync_wait.hpp"
 #include "ferry/task.hpp"
 #include "ferry/transfer.hpp"
 #include "ferry/transfer_state.hpp"

@@ -96,8 +96,14 @@ class any_scheduler {
   explicit any_scheduler(S s) noexcept {
     static_assert(detail::check_scheduler<S>());
     static_assert(sizeof(S) <= inline_capacity && alignof(S) <= alignof(std::max_align_t),
-                  "ferry: a scheduler returned by value must fit in four pointers; return a "
-                  "reference from get_scheduler() instead");
+                  "ferry: this scheduler is too large to copy: a scheduler returned by value "
+                  "from get_scheduler() (or given to any_scheduler) must fit in four pointers, "
+                  "because ferry copies it into every suspended await without allocating (a "
+                  "continuation posted from a completing thread must not fail to allocate). Keep "
+                  "the scheduler somewhere that outlives the coroutine (a member of the promise, "
+                  "an engine object) and return a reference from get_scheduler(): "
+                  "`my_scheduler& get_scheduler() noexcept { return sched_; }`; ferry then holds "
+                  "one pointer to it (an Asio any_io_executor is 56 bytes: see docs/asio.md)");
     static_assert(std::is_nothrow_copy_constructible_v<S>,
                   "ferry: a scheduler returned by value must be nothrow copy-constructible");
     ::new (static_cast<void*>(storage_)) S(std::move(s));

@@ -1,6 +1,7 @@
 #pragma once
 // task<T>: a lazy coroutine that carries its scheduler. Awaited from another coroutine it inherits the
-// awaiting coroutine's scheduler; sync_wait runs one to completion on a run_loop.
+// awaiting coroutine's scheduler; sync_wait (ferry/sync_wait.hpp, included below) runs one from a
+// thread outside any coroutine, spawn (ferry/spawn.hpp) starts one detached.
 
 #include <coroutine>
 #include <exception>
@@ -8,7 +9,6 @@
 #include <type_traits>
 #include <utility>
 
-#include "ferry/run_loop.hpp"
 #include "ferry/scheduler.hpp"
 
 namespace ferry {
@@ -182,78 +182,9 @@ inline task<void> task_promise<void>::get_return_object() noexcept {
   return task<void>(std::coroutine_handle<task_promise<void>>::from_promise(*this));
 }
 
-// The coroutine sync_wait drives: it awaits the task on the loop and stops the loop when done.
-class sync_wait_driver {
- public:
-  struct promise_type {
-    run_loop* loop = nullptr;
-    std::exception_ptr error;
-
-    run_loop& get_scheduler() noexcept { return *loop; }
-    sync_wait_driver get_return_object() noexcept {
-      return sync_wait_driver(std::coroutine_handle<promise_type>::from_promise(*this));
-    }
-    std::suspend_always initial_suspend() noexcept { return {}; }
-    auto final_suspend() noexcept {
-      struct stop_loop {
-        bool await_ready() noexcept { return false; }
-        void await_suspend(std::coroutine_handle<promise_type> h) noexcept {
-          h.promise().loop->stop();
-        }
-        void await_resume() noexcept {}
-      };
-      return stop_loop{};
-    }
-    void return_void() noexcept {}
-    void unhandled_exception() noexcept { error = std::current_exception(); }
-  };
-
-  sync_wait_driver(sync_wait_driver&& other) noexcept : handle_(std::exchange(other.handle_, {})) {}
-  sync_wait_driver(const sync_wait_driver&) = delete;
-  sync_wait_driver& operator=(const sync_wait_driver&) = delete;
-  ~sync_wait_driver() {
-    if (handle_) handle_.destroy();
-  }
-
-  void run_on(run_loop& loop) {
-    handle_.promise().loop = &loop;
-    loop.post(handle_);
-    loop.run();
-    if (handle_.promise().error) std::rethrow_exception(handle_.promise().error);
-  }
-
- private:
-  explicit sync_wait_driver(std::coroutine_handle<promise_type> h) noexcept : handle_(h) {}
-  std::coroutine_handle<promise_type> handle_;
-};
-
-template <class T>
-sync_wait_driver drive(task<T>& t, std::optional<T>& out) {
-  out.emplace(co_await std::move(t));
-}
-
-inline sync_wait_driver drive(task<void>& t) { co_await std::move(t); }
-
 }  // namespace detail
 
-// Runs `t` to completion on `loop`, driven by the calling thread, and returns its value (or rethrows
-// its exception). Work other coroutines posted to `loop` meanwhile runs too.
-template <class T>
-T sync_wait(run_loop& loop, task<T> t) {
-  if constexpr (std::is_void_v<T>) {
-    detail::drive(t).run_on(loop);
-  } else {
-    std::optional<T> out;
-    detail::drive(t, out).run_on(loop);
-    return std::move(*out);
-  }
-}
-
-// Runs `t` to completion on a run_loop of its own on the calling thread.
-template <class T>
-T sync_wait(task<T> t) {
-  run_loop loop;
-  return sync_wait(loop, std::move(t));
-}
-
 }  // namespace ferry
+
+// sync_wait has its own header; included here so that code which found it in this one still does.
+#include "ferry/sync_wait.hpp"

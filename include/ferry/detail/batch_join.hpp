@@ -164,6 +164,24 @@ class batch_join {
     return r;
   }
 
+  // The deadline, brought forward: a stop request on the waiting side (an Asio cancellation). It
+  // decides timed_out unless something decided first, and delivers as the deadline does; true when
+  // this call decided. Only between a start() that returned false and finish(), by the waiting
+  // side. A timer still armed is taken off and counted as fired, so that finish() sweeps the nodes
+  // at once, as after a deadline that passed; a timer already firing decides or loses through the
+  // same CAS on its own thread.
+  bool expire_now() noexcept {
+    const bool disarmed = timers_ != nullptr && timers_->cancel(timer_);
+    const bool decides = advance(event::timeout);
+    if (decides) deliver_(this);
+    if (disarmed) {
+      // As on_deadline does; finish() has not run, so the sweep is left to it.
+      sweep_.fetch_or(fired, std::memory_order_acq_rel);
+      release();  // the timer's; the waiting side's is still held
+    }
+    return decides;
+  }
+
   // The waiting side is finished with the join: disarm the timer and drop the waiter's reference.
   // If no verdict was delivered (a coroutine destroyed while suspended), claim it first so that no
   // completion tries to resume what is gone. Members still linked are left to be swept at the
