@@ -4,7 +4,9 @@
 // forward pass over 32 layers co_awaits each layer's loads (across every request of the step, with
 // one deadline) while later layers still stream in. The prefill process sends the blocks over TCP
 // through io_uring (in-process loopback copies stand in where io_uring is not built), and frees each
-// request's source blocks once the decode side releases it (kv::release_ledger).
+// request's source blocks once the decode side releases it (kv::release_ledger). With --ucx, decode
+// instead reads every block out of the prefill process's memory with one-sided UCX gets (over tcp
+// on 127.0.0.1, connected by host and port) and tells prefill of each release with a notification.
 //
 // Four requests, two of them with a load failure injected (ferry::fault_injector):
 //   request 0: attention only                      -> success
@@ -31,6 +33,13 @@
 #include <unistd.h>
 
 #include <ferry/uring/tcp.hpp>
+#endif
+
+#if FERRY_EXAMPLE_UCX
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <ferry/ucx.hpp>
 #endif
 
 using namespace std::chrono_literals;
@@ -317,11 +326,105 @@ int run(const std::vector<load>& plan) {
 
 #endif
 
+#if FERRY_EXAMPLE_UCX
+
+namespace ucx = ferry::ucx;
+
+ucx::worker_options tcp_only() {
+  ucx::worker_options o;
+  o.transports = "tcp";
+  return o;
+}
+
+// The prefill process: its KV blocks sit in memory UCX allocated, exposed to whoever connects; it
+// frees each request's blocks when decode's notification says the request is released.
+int prefill_ucx(const std::vector<load>& plan, int port_out) {
+  ferry::progress_executor exec;
+  ucx::worker w(exec, tcp_only());
+  ucx::memory_region source = w.allocate(plan.size() * block_bytes);
+  for (const load& l : plan) fill_block(source.bytes().subspan(l.block * block_bytes, block_bytes), l.block);
+  const ucx::memory_region expose[] = {source};
+  ucx::listener l = w.listen("127.0.0.1", 0, expose);
+  const std::uint16_t port = l.port();
+  (void)!::write(port_out, &port, sizeof port);
+  ::close(port_out);
+  ucx::endpoint decode_side = l.accept(10s);
+  std::size_t freed = 0;
+  kv::release_ledger ledger([&](kv::transfer_id) { ++freed; });
+  for (const request_plan& r : requests) (void)ledger.expect(r.id, 1);
+  for (std::size_t n = 0; n < std::size(requests); ++n) {
+    std::uint64_t id = 0;
+    if (decode_side.receive_notification(id, 10s).wait() != ferry::transfer_state::success) break;
+    (void)ledger.acknowledge(id, 0);
+  }
+  std::printf("prefill: exposed %zu blocks; freed the source blocks of %zu requests\n", plan.size(),
+              freed);
+  return freed == std::size(requests) ? 0 : 1;
+}
+
+int run_ucx(const std::vector<load>& plan) {
+  int pipe_fds[2];
+  if (::pipe(pipe_fds) != 0) return 1;
+  std::fflush(stdout);
+  const pid_t child = ::fork();  // before either process starts a thread
+  if (child < 0) return 1;
+  if (child == 0) {
+    ::close(pipe_fds[0]);
+    const int rc = prefill_ucx(plan, pipe_fds[1]);
+    std::fflush(stdout);
+    std::_Exit(rc);
+  }
+  ::close(pipe_fds[1]);
+  std::uint16_t port = 0;
+  const bool got_port = ::read(pipe_fds[0], &port, sizeof port) == sizeof port;
+  ::close(pipe_fds[0]);
+  bool ok = false;
+  if (got_port) {
+    std::printf("decode: prefill is process %d, over UCX (tcp) on 127.0.0.1:%u\n",
+                static_cast<int>(child), static_cast<unsigned>(port));
+    ferry::progress_executor exec;
+    ucx::worker w(exec, tcp_only());
+    ucx::endpoint prefill_side = w.connect("127.0.0.1", port, {}, 10s);
+    const ucx::remote_memory remote = prefill_side.peer_regions().at(0);
+    std::vector<ferry::transfer> releases;
+    ok = decode(
+        exec, plan,
+        [&](const load& l, std::span<std::byte> dst) {
+          // Each get holds its registration until it ends.
+          const ucx::memory_region r = w.register_memory(dst);
+          return prefill_side.get(r.slice(0, dst.size()),
+                                  remote.slice(l.block * block_bytes, block_bytes), 10s);
+        },
+        [&](kv::request_id id, kv::request_verdict) {
+          releases.push_back(prefill_side.send_notification(id, 10s));
+        });
+    ok = ferry::drain(releases, 10s).ok() && ok;
+  }
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  return ok && WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : 1;
+}
+
+#endif
+
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   const std::vector<load> plan = plan_step();
+  const bool over_ucx = argc > 1 && std::string(argv[1]) == "--ucx";
+  if (argc > 2 || (argc == 2 && !over_ucx)) {
+    std::fprintf(stderr, "usage: %s [--ucx]\n", argv[0]);
+    return 2;
+  }
   std::printf("decode: %zu requests x %zu layers, %zu KV loads of %zu KiB\n", std::size(requests),
               layers, plan.size(), block_bytes >> 10);
+  if (over_ucx) {
+#if FERRY_EXAMPLE_UCX
+    return run_ucx(plan);
+#else
+    std::fprintf(stderr, "%s: built without the UCX backend (Debian: libucx-dev)\n", argv[0]);
+    return 2;
+#endif
+  }
   return run(plan);
 }
