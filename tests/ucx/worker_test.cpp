@@ -402,11 +402,13 @@ TEST_CASE("ucx: a live peer answers the liveness check for as long as a notifica
   const auto transports = GENERATE(as<std::string>{}, "tcp", "shm");
   side a(quick_liveness(transports)), b(quick_liveness(transports));
   auto ab = a.worker.connect(b.worker.address());
-  auto ba = b.worker.connect(a.worker.address());
   std::uint64_t v = 0;
   auto w = ab.receive_notification(v, 60s);
-  // Many liveness timeouts pass with the wait pending and nothing else out; the peer's answers
-  // keep the endpoint open. Then the notification ends the wait.
+  // The peer drops the first pings (it has no endpoint to us yet) and answers once it connects
+  // back; then many liveness timeouts pass with the wait pending and nothing else out, the answers
+  // keeping the endpoint open. Then the notification ends the wait.
+  CHECK(w.wait_for(300ms) == transfer_state::pending);
+  auto ba = b.worker.connect(a.worker.address());
   CHECK(w.wait_for(2500ms) == transfer_state::pending);
   auto n = ba.send_notification(42, 10s);
   REQUIRE(n.wait_for(hang_bound) == transfer_state::success);

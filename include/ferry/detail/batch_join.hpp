@@ -415,20 +415,35 @@ class batch_join {
     }
   }
 
-  // The waiting side's reference (in finish()) or a notified node's. When the one it leaves is a
-  // timer armed to sweep, nothing is linked any more and the waiting side is done: the timer is
-  // cancelled and the join freed now, not at the deadline, so that the executor owning the timer
-  // may go as soon as the wait has returned and its completions have been delivered. Decided on the
-  // count this decrement returns, not on a load before it: with a load, the waiting side and the
-  // last node could each see the other still holding, and neither cancel. A cancel that succeeds
-  // proves the timer held a reference, so with one left it is the timer's; `finished`, read after
-  // the decrement, publishes timers_ where finish() set it (a blocking wait's hand-over).
+  // The waiting side's reference (in finish()) or a notified node's. When the one other reference
+  // left is a timer armed to sweep, nothing is linked any more and the waiting side is done: the
+  // timer is cancelled and the join freed now, not at the deadline, so that the executor owning the
+  // timer may go as soon as the wait has returned and its completions have been delivered.
+  //  - Decided on the count as this thread's own CAS sees it, so that of the waiting side and the
+  //    last node, the second always sees the first gone (a load followed by a separate decrement
+  //    let each see the other still holding, and neither cancelled).
+  //  - Decided while still holding this reference: after giving it back, the timer's firing or
+  //    another holder may free the join at once.
+  //  - A cancel that succeeds proves the timer held a reference, so with a count of 2 the other is
+  //    the timer's and no node is left for it to sweep. A blocking wait's hand-over may add the
+  //    timer's reference between our load and our cancel, with the waiting side still holding:
+  //    then the fetch_sub leaves the waiting side's reference, and its release frees the join.
   void release_disarming() noexcept {
-    const std::size_t before = refs_.fetch_sub(1, std::memory_order_acq_rel);
-    if (before == 1) return destroy();
-    if (before == 2 && (sweep_.load(std::memory_order_acquire) & (finished | fired)) == finished &&
-        timers_ != nullptr && timers_->cancel(timer_)) {
-      release();  // the timer's, the last
+    std::size_t count = refs_.load(std::memory_order_acquire);
+    for (;;) {
+      if (count == 2 && (sweep_.load(std::memory_order_acquire) & (finished | fired)) == finished &&
+          timers_ != nullptr) {
+        if (timers_->cancel(timer_)) {
+          if (refs_.fetch_sub(2, std::memory_order_acq_rel) == 2) destroy();  // ours, the timer's
+          return;
+        }
+        return release();  // the timer is firing: on_deadline gives back its reference
+      }
+      if (refs_.compare_exchange_weak(count, count - 1, std::memory_order_acq_rel,
+                                      std::memory_order_acquire)) {
+        if (count == 1) destroy();
+        return;
+      }
     }
   }
 

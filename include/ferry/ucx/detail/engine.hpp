@@ -226,16 +226,17 @@ class engine {
   // The executor's calls (completion_source.hpp).
   std::size_t poll(std::size_t budget) noexcept {
     std::size_t n = incoming_.take([this](request* r) { arrive(r); });
+    while (n < budget) {
+      const unsigned events = ::ucp_worker_progress(worker_);
+      if (events == 0) break;
+      n += events;
+    }
+    // After progress, so that an answer that has arrived is counted.
     if (liveness_timer_.fired) {
       liveness_timer_.fired = false;
       liveness_armed_ = false;
       check_liveness();
       ++n;
-    }
-    while (n < budget) {
-      const unsigned events = ::ucp_worker_progress(worker_);
-      if (events == 0) break;
-      n += events;
     }
     return n;
   }
@@ -604,7 +605,11 @@ class engine {
       return arm_liveness();
     }
     for (const auto& e : endpoints) {
-      if (e->ep == nullptr || e->notification_waiters.empty()) continue;
+      if (e->ep == nullptr) continue;
+      if (e->notification_waiters.empty()) {
+        e->ping_out = false;  // the next wait starts the count afresh
+        continue;
+      }
       if (e->in_flight != 0) {
         // Its own requests carry the endpoint's fate (and their deadlines); start over after.
         e->ping_out = false;
@@ -615,16 +620,17 @@ class engine {
         close_endpoint(*e, make_error_code(errc::peer_gone));
         continue;
       }
-      if (e->ping_out) {
-        if (now - e->ping_sent >= liveness_timeout_) {
-          close_endpoint(*e, make_error_code(errc::peer_unresponsive));
-          continue;
-        }
-      } else {
-        e->ping_out = true;
-        e->ping_sent = now;
-        send_control(*e, ping_header_);
+      if (e->ping_out && now - e->ping_sent >= liveness_timeout_) {
+        close_endpoint(*e, make_error_code(errc::peer_unresponsive));
+        continue;
       }
+      if (!e->ping_out) {
+        e->ping_out = true;
+        e->ping_sent = now;  // the first ping not yet answered
+      }
+      // Again every interval until answered: a peer drops a ping from a worker it has no endpoint
+      // to yet (it answers once it has connected back).
+      send_control(*e, ping_header_);
       waiting = true;
     }
     if (waiting) arm_liveness();
