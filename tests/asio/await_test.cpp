@@ -106,7 +106,8 @@ TEST_CASE(
   });
 }
 
-TEST_CASE("async_await with a callback and with a future", "[asio][concurrency]") {
+TEST_CASE("async_await with a callback bound to the io_context runs it there",
+          "[asio][concurrency]") {
   io_thread io;
   auto [t, c] = ferry::make_manual_transfer();
   std::atomic<int> calls{0};
@@ -122,7 +123,12 @@ TEST_CASE("async_await with a callback and with a future", "[asio][concurrency]"
   REQUIRE(wait_until([&] { return calls.load() == 1; }));
   CHECK(on_io.load());
   CHECK_FALSE(error);
+}
 
+// Not run under ThreadSanitizer: the exception travels through std::future's shared state, whose
+// last reference Asio's promise handler may drop on its own thread after get() has read it; the
+// exception's reference count lives in uninstrumented libstdc++, so TSan reports that delete.
+TEST_CASE("async_await with use_future hands the task's exception to the future", "[asio]") {
   auto [t2, c2] = ferry::make_manual_transfer();
   std::future<int> f = ferry::async_await(fails_after(t2), asio::use_future);
   (void)c2.succeed();

@@ -213,8 +213,13 @@ TEST_CASE(
       // would see it touch freed memory), and the handler is not called again.
       for (std::size_t i = 1; i < 4; ++i) CHECK(b.transfers[i].state() == transfer_state::pending);
       for (std::size_t i = 1; i < 4; ++i) (void)b.completers[i].succeed();
-      asio::post(io.io(), [&] { signal.emit(type); });  // a late signal finds the slot cleared
-      std::this_thread::sleep_for(2ms);
+      // A late signal finds the slot cleared; the round waits for it before the signal goes.
+      std::atomic<bool> emitted{false};
+      asio::post(io.io(), [&] {
+        signal.emit(type);
+        emitted.store(true);
+      });
+      REQUIRE(wait_until([&] { return emitted.load(); }));
       CHECK(s.calls.load() == 1);
     }
   }

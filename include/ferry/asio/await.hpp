@@ -68,34 +68,42 @@ struct driver {
   };
 };
 
+// The awaitable (a task's frame, which holds a reference to its exception) is destroyed, and the
+// exception moved into the handler, before the post: the handler may run at once on another thread
+// and must be the last to touch them.
 template <class Executor, class Awaitable, class Handler>
 driver<Executor> run(::asio::executor_work_guard<Executor> work, Awaitable awaitable,
                      Handler handler) {
   using result = await_result_t<Awaitable>;
   std::exception_ptr error;
+  const Executor ex = work.get_executor();
   if constexpr (std::is_void_v<result>) {
-    try {
-      co_await std::move(awaitable);
-    } catch (...) {
-      error = std::current_exception();
+    {
+      Awaitable awaited = std::move(awaitable);
+      try {
+        co_await std::move(awaited);
+      } catch (...) {
+        error = std::current_exception();
+      }
     }
-    const Executor ex = work.get_executor();
-    ::asio::post(ex, [h = std::move(handler), error, w = std::move(work)]() mutable {
-      std::move(h)(error);
+    ::asio::post(ex, [h = std::move(handler), e = std::move(error), w = std::move(work)]() mutable {
+      std::move(h)(std::move(e));
     });
   } else {
     std::optional<result> value;
-    try {
-      value.emplace(co_await std::move(awaitable));
-    } catch (...) {
-      error = std::current_exception();
+    {
+      Awaitable awaited = std::move(awaitable);
+      try {
+        value.emplace(co_await std::move(awaited));
+      } catch (...) {
+        error = std::current_exception();
+      }
     }
     // The handler takes a value even with an exception; the type's default stands in for it.
-    const Executor ex = work.get_executor();
-    ::asio::post(
-        ex, [h = std::move(handler), error, v = std::move(value), w = std::move(work)]() mutable {
-          std::move(h)(error, v ? std::move(*v) : result{});
-        });
+    ::asio::post(ex, [h = std::move(handler), e = std::move(error), v = std::move(value),
+                      w = std::move(work)]() mutable {
+      std::move(h)(std::move(e), v ? std::move(*v) : result{});
+    });
   }
 }
 

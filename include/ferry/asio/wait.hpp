@@ -143,8 +143,10 @@ class operation {
         return;
       }
       // The signal and the completion run on the handler's executor one after the other, and the
-      // completion clears the slot first, so the join is alive here. Whether this or a member
-      // decides, one CAS in the join says; the loser changes nothing.
+      // completion clears the slot first, so the join is alive here. Whether this, a member or the
+      // deadline decides, one CAS in the join says; the loser changes nothing. stopped_ is written
+      // after the completion was posted, and read by it: the same serialisation orders the two
+      // (a completion queued behind this handler runs after it returns).
       if (op->join_->expire_now()) op->stopped_ = true;
     }
   };

@@ -60,24 +60,34 @@ class [[nodiscard]] detached_task {
 
 // Awaits `t` and calls done(error) for a task<void>, done(error, value) otherwise, where `value` is
 // a std::optional<T> that is empty when `error` is set.
+//
+// The task's frame is destroyed before done() runs, and done() is given the only other reference to
+// the exception: done() hands the outcome to another thread (sync_wait's caller), which must then
+// be the last to touch it, not this thread dropping the frame or a copy after the hand-over.
 template <class T, class Done>
 detached_task run_detached(task<T> t, Done done) {
   std::exception_ptr error;
   if constexpr (std::is_void_v<T>) {
-    try {
-      co_await std::move(t);
-    } catch (...) {
-      error = std::current_exception();
+    {
+      task<T> awaited = std::move(t);
+      try {
+        co_await std::move(awaited);
+      } catch (...) {
+        error = std::current_exception();
+      }
     }
-    done(error);
+    done(std::move(error));
   } else {
     std::optional<T> value;
-    try {
-      value.emplace(co_await std::move(t));
-    } catch (...) {
-      error = std::current_exception();
+    {
+      task<T> awaited = std::move(t);
+      try {
+        value.emplace(co_await std::move(awaited));
+      } catch (...) {
+        error = std::current_exception();
+      }
     }
-    done(error, std::move(value));
+    done(std::move(error), std::move(value));
   }
 }
 
