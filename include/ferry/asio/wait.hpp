@@ -136,6 +136,9 @@ class operation {
  private:
   // The cancellation handler installed in the slot.
   struct stop_request {
+    // A constructor, not an aggregate: Asio's emplace constructs with parentheses, which clang 14
+    // does not take for aggregates.
+    explicit stop_request(operation* o) noexcept : op(o) {}
     operation* op;
     void operator()(::asio::cancellation_type_t type) const noexcept {
       if ((type & (::asio::cancellation_type::terminal | ::asio::cancellation_type::partial |
