@@ -5,6 +5,8 @@
 // decides itself: ferry::uring::errc (files and TCP), ferry::verbs::errc, ferry::kv::errc (the
 // inference-server layer) and ferry::testing::errc (the test doubles).
 
+#include "ferry/detail/config.hpp"
+
 #include <system_error>
 
 #include "ferry/detail/error_category.hpp"

@@ -5,6 +5,7 @@
 // (<ferry/uring.hpp>, <ferry/verbs.hpp>, <ferry/gpu.hpp>), as do the inference-server layer
 // (<ferry/kv.hpp>) and the test doubles (<ferry/testing.hpp>).
 
+#include "ferry/version.hpp"
 #include "ferry/batch_result.hpp"
 #include "ferry/completion_source.hpp"
 #include "ferry/errors.hpp"

@@ -4,6 +4,7 @@
 // CUDA toolkit). The same backend runs on the in-process fake of ferry/testing/fake_gpu.hpp for tests:
 // basic_copy_engine<fake::runtime>.
 
+#include "ferry/detail/config.hpp"
 #include "ferry/gpu/copy_engine.hpp"
 #include "ferry/gpu/copy_kind.hpp"
 

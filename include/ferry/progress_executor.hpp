@@ -272,7 +272,7 @@ class progress_executor {
     if (options_.cpu < 0) return;
     cpu_set_t set;
     CPU_ZERO(&set);
-    CPU_SET(options_.cpu, &set);
+    CPU_SET(static_cast<std::size_t>(options_.cpu), &set);
     ::pthread_setaffinity_np(::pthread_self(), sizeof set, &set);
   }
 

@@ -4,6 +4,7 @@
 // or lost), the loopback backend behind one, and the fake GPU runtime. The fake verbs fabric needs
 // the libibverbs headers and is included on its own (<ferry/testing/verbs.hpp>).
 
+#include "ferry/detail/config.hpp"
 #include "ferry/testing/errors.hpp"
 #include "ferry/testing/fake_gpu.hpp"
 #include "ferry/testing/fault_injector.hpp"

@@ -1,5 +1,7 @@
 #pragma once
 
+#include "ferry/detail/config.hpp"
+
 #include <cstdint>
 
 namespace ferry {

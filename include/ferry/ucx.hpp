@@ -3,6 +3,7 @@
 // memory, RDMA verbs, ...), progressed by the progress executor. Link with -lucp -lucs (Meson's
 // ferry build does this where UCX is found).
 
+#include "ferry/detail/config.hpp"
 #include "ferry/ucx/errors.hpp"
 #include "ferry/ucx/memory_region.hpp"
 #include "ferry/ucx/options.hpp"

@@ -3,6 +3,7 @@
 // build does this where libibverbs is found). The same classes run on the in-process fake of
 // <ferry/testing/verbs.hpp> for tests: basic_device<fake::provider> and so on.
 
+#include "ferry/detail/config.hpp"
 #include "ferry/verbs/device.hpp"
 #include "ferry/verbs/errors.hpp"
 #include "ferry/verbs/handshake.hpp"

@@ -275,7 +275,7 @@ class endpoint {
       m.length = b.local.length;
       m.memh = region->memh;
       m.remote_address = b.remote.address;
-      m.remote_index = b.remote.region;
+      m.remote_index = static_cast<std::uint32_t>(b.remote.region);
       out[i] = transfer(ferry::detail::adopt, detail::engine::attach(m));
       ++j;
     }

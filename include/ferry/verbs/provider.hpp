@@ -98,7 +98,8 @@ struct real_provider {
 
   [[nodiscard]] static mr_handle reg_mr(pd_handle pd, void* addr, std::size_t length,
                                         int access) noexcept {
-    return ::ibv_reg_mr(pd, addr, length, access);
+    // ibv_reg_mr is a macro that passes the flags on as unsigned int.
+    return ::ibv_reg_mr(pd, addr, length, static_cast<unsigned>(access));
   }
   static int dereg_mr(mr_handle mr) noexcept { return ::ibv_dereg_mr(mr); }
   [[nodiscard]] static std::uint32_t lkey(mr_handle mr) noexcept { return mr->lkey; }

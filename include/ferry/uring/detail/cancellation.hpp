@@ -124,8 +124,8 @@ inline void handle_cancel(engine& e, op* c) noexcept {
       }
     }
   };
-  for (const op* o : e.in_flight_) look(o);
-  for (const op* o = e.send_backlog_.front(); o != nullptr; o = o->next) look(o);
+  for (const op* lead : e.in_flight_) look(lead);
+  for (const op* lead = e.send_backlog_.front(); lead != nullptr; lead = lead->next) look(lead);
   if (group != nullptr) return cancel_group_frame(e, group, index, c);
   engine::release_cancel(c);
 }
