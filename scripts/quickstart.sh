@@ -10,10 +10,10 @@ cd "$(dirname "$0")/.."
 mode=${1:-}
 # One set-up for both: everything either command uses. The tests add the second compiler, Catch2,
 # CMake (for the installed-package check) and debootstrap (for the fresh-root-demo test).
-packages="g++ meson ninja-build pkg-config liburing-dev libibverbs-dev libucx-dev libamdhip64-dev libasio-dev fio python3-dev pybind11-dev"
+packages="g++ meson ninja-build pkg-config liburing-dev libibverbs-dev libucx-dev libamdhip64-dev libasio-dev fio iperf3 ucx-utils python3-dev pybind11-dev"
 case "$mode" in
   demo) ;;
-  test) packages="$packages clang catch2 cmake debootstrap python3-pytest python3-numpy" ;;
+  test) packages="$packages clang catch2 cmake debootstrap python3-pytest python3-numpy iproute2" ;;
   *) echo "usage: $0 demo|test" >&2; exit 2 ;;
 esac
 echo "ferry quick start: scripts/quickstart.sh $mode"
