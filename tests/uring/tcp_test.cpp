@@ -6,18 +6,21 @@
 #include <atomic>
 #include <cstring>
 #include <deque>
+#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
 
 #include <csignal>
 #include <fcntl.h>
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <ferry/metrics.hpp>
 #include <ferry/uring/tcp.hpp>
 #include <ferry/wait_all.hpp>
 
@@ -1034,4 +1037,112 @@ TEST_CASE("tcp: a negative buffer size in tcp_options is rejected, naming the fi
                     Catch::Contains("receive_buffer"));
   CHECK_THROWS_WITH(uring::tcp_listener("127.0.0.1", 0, 64, uring::tcp_options{.send_buffer = -1}),
                     Catch::Contains("send_buffer"));
+}
+
+namespace {
+
+// A plain socket bound to `source` (an address in 127.0.0.0/8) and connected to 127.0.0.1:`port`.
+int connect_from(const char* source, std::uint16_t port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in from{};
+  from.sin_family = AF_INET;
+  REQUIRE(::inet_pton(AF_INET, source, &from.sin_addr) == 1);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&from), sizeof from) == 0);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(port);
+  to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof to) == 0);
+  return fd;
+}
+
+}  // namespace
+
+TEST_CASE("tcp: a metered ring records sends and receives per peer address, besides the totals",
+          "[tcp]") {
+  FERRY_REQUIRE_URING();
+  ferry::metrics::registry metrics("uring");
+  constexpr std::size_t blocks = 3;
+  {
+    ferry::progress_executor exec;
+    uring::ring_options options;
+    options.metrics = &metrics;
+    uring::ring r(exec, options);
+    uring::tcp_listener listener("127.0.0.1", 0);
+    // Two hosts' connections (127.0.0.2 and 127.0.0.3) into one server: on the server's side each
+    // peer is its own series; on the clients' side both connections are to one peer, 127.0.0.1.
+    std::vector<uring::tcp_connection> clients;
+    std::vector<uring::tcp_connection> servers;
+    for (const char* source : {"127.0.0.2", "127.0.0.3"}) {
+      clients.push_back(uring::tcp_connection::adopt_socket(r, connect_from(source, listener.port())));
+      servers.push_back(listener.accept(r));
+    }
+    const std::vector<std::byte> payload = byte_pattern(1000, 5);
+    std::vector<std::vector<std::byte>> dst(2 * blocks, std::vector<std::byte>(1000));
+    std::vector<uring::received_block> got(2 * blocks);
+    std::vector<ferry::transfer> ts;
+    for (std::size_t c = 0; c < 2; ++c) {
+      for (std::size_t i = 0; i < blocks; ++i) {
+        ts.push_back(servers[c].receive(dst[c * blocks + i], got[c * blocks + i]));
+        ts.push_back(clients[c].send(i, payload));
+      }
+    }
+    REQUIRE(ferry::wait_all(ts, hang_bound).ok());
+  }
+  const ferry::metrics::snapshot s = metrics.snapshot();
+  auto find = [&](const std::string& kind, const std::string& peer) {
+    for (const auto& o : s.operations) {
+      if (o.kind == kind && o.peer == peer) return o;
+    }
+    FAIL("no " << kind << " series for peer '" << peer << "'");
+    return ferry::metrics::operation_snapshot{};
+  };
+  CHECK(find("send", "").succeeded == 2 * blocks);
+  CHECK(find("receive", "").succeeded == 2 * blocks);
+  const auto sends = find("send", "127.0.0.1");
+  CHECK(sends.succeeded == 2 * blocks);
+  CHECK(sends.bytes == 2 * blocks * 1000);
+  for (const char* peer : {"127.0.0.2", "127.0.0.3"}) {
+    const auto receives = find("receive", peer);
+    CHECK(receives.succeeded == blocks);
+    CHECK(receives.bytes == blocks * 1000);
+    CHECK(receives.latency_sum_ns > 0);
+  }
+  for (const auto& o : s.operations) {
+    CHECK_FALSE((o.kind == "send" && o.peer != "" && o.peer != "127.0.0.1"));
+  }
+}
+
+TEST_CASE("tcp: an IPv6 peer is labelled by its address", "[tcp]") {
+  FERRY_REQUIRE_URING();
+  ferry::metrics::registry metrics("uring");
+  {
+    ferry::progress_executor exec;
+    uring::ring_options options;
+    options.metrics = &metrics;
+    uring::ring r(exec, options);
+    std::optional<uring::tcp_listener> listener;
+    try {
+      listener.emplace("::1", 0);
+    } catch (const std::system_error& e) {
+      WARN("no IPv6 loopback here (" << e.what() << "): not checked");
+      return;
+    }
+    uring::tcp_connection client = uring::tcp_connection::connect(r, "::1", listener->port());
+    uring::tcp_connection server = listener->accept(r);
+    std::vector<std::byte> dst(16);
+    uring::received_block got;
+    const std::vector<std::byte> payload = byte_pattern(16, 1);
+    std::vector<ferry::transfer> ts{server.receive(dst, got), client.send(1, payload)};
+    REQUIRE(ferry::wait_all(ts, hang_bound).ok());
+  }
+  std::size_t labelled = 0;
+  for (const auto& o : metrics.snapshot().operations) {
+    if (!o.peer.empty()) {
+      CHECK(o.peer == "::1");
+      ++labelled;
+    }
+  }
+  CHECK(labelled == 2);
 }

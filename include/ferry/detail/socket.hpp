@@ -1,7 +1,7 @@
 #pragma once
 // Descriptor and TCP socket set-up, shared by the io_uring TCP connections, the verbs handshake's
 // side channel and the verbs provider: resolving an address and trying each result, a blocking
-// connect that survives signals, TCP_NODELAY, non-blocking mode.
+// connect that survives signals, TCP_NODELAY, non-blocking mode, the peer's address as text.
 
 #include <cerrno>
 #include <cstdint>
@@ -9,6 +9,7 @@
 #include <string>
 #include <system_error>
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -27,6 +28,29 @@ namespace ferry::detail {
 inline void set_nodelay(int fd) noexcept {
   const int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
+// The connected peer's IP address as text ("10.0.0.2", "::1"; an IPv4 peer of an IPv6 socket
+// without its "::ffff:" prefix), or empty where there is none (not a connected IP socket).
+[[nodiscard]] inline std::string peer_address(int fd) {
+  sockaddr_storage a{};
+  socklen_t len = sizeof a;
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) return {};
+  char text[INET6_ADDRSTRLEN] = {};
+  if (a.ss_family == AF_INET) {
+    const auto* v4 = reinterpret_cast<const sockaddr_in*>(&a);
+    if (::inet_ntop(AF_INET, &v4->sin_addr, text, sizeof text) == nullptr) return {};
+  } else if (a.ss_family == AF_INET6) {
+    const auto* v6 = reinterpret_cast<const sockaddr_in6*>(&a);
+    if (IN6_IS_ADDR_V4MAPPED(&v6->sin6_addr)) {
+      if (::inet_ntop(AF_INET, &v6->sin6_addr.s6_addr[12], text, sizeof text) == nullptr) return {};
+    } else if (::inet_ntop(AF_INET6, &v6->sin6_addr, text, sizeof text) == nullptr) {
+      return {};
+    }
+  } else {
+    return {};
+  }
+  return text;
 }
 
 // A blocking connect(). One that a signal interrupts goes on in the background (POSIX), so it is

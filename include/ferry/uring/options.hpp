@@ -33,7 +33,8 @@ struct ring_options {
   // on): completions are finished in the executor's own system calls rather than by interrupting
   // it. false: the plain set-up, which costs more per operation when the CPU is the limit.
   bool defer_task_work = true;
-  // Where the ring records each read, write, send and receive that ends (metrics.hpp); it must
+  // Where the ring records each read, write, send and receive that ends (metrics.hpp), sends and
+  // receives also per peer (its IP address: every connection from one host adds up); it must
   // outlive the ring. Null: nothing is recorded, at the cost of one test per operation.
   ferry::metrics::registry* metrics = nullptr;
 };

@@ -109,6 +109,14 @@ class tcp_connection {
     }
     state_ = new detail::connection_state;
     state_->fd = connected_fd;
+    if (engine_->metered()) {
+      try {
+        state_->peer = ferry::detail::peer_address(connected_fd);
+      } catch (...) {
+        delete state_;
+        throw;
+      }
+    }
     engine_->connection_opened();
   }
 

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <string>
 #include <system_error>
 
 #include <sys/socket.h>
@@ -11,6 +12,10 @@
 #include <unistd.h>
 
 #include "ferry/uring/detail/op.hpp"
+
+namespace ferry::metrics {
+class op_metrics;
+}  // namespace ferry::metrics
 
 namespace ferry::uring::detail {
 
@@ -39,6 +44,11 @@ struct connection_state {
   msghdr send_message{};
   std::error_code send_error;     // once set, every later send fails with it
   std::error_code receive_error;  // likewise for receives
+  // On a ring that records metrics: the peer's address (its IP, without the port, so that every
+  // connection from one host adds up), set when the handle is made; and its figures for sends and
+  // receives, looked up by the executor at the first of each that ends.
+  std::string peer;
+  ferry::metrics::op_metrics* peer_metrics[2] = {};
 
   void release(int n = 1) noexcept {
     if (refs.fetch_sub(n, std::memory_order_acq_rel) == n) {

@@ -74,10 +74,13 @@ class engine : public admission {
   // Records every read, write, send and receive that ends into `r` (ring_options::metrics); before
   // anything is published.
   void meter(ferry::metrics::registry& r) {
-    constexpr const char* names[] = {"read", "write", "readv", "writev", "send", "receive"};
-    for (std::size_t k = 0; k < std::size(names); ++k) metrics_[k] = &r.operation(names[k]);
+    for (std::size_t k = 0; k < std::size(metric_names); ++k) metrics_[k] = &r.operation(metric_names[k]);
+    registry_ = &r;
     metered_ = true;
   }
+
+  // tcp.hpp: whether a new connection should learn its peer's address for the per-peer figures.
+  [[nodiscard]] bool metered() const noexcept { return metered_; }
 
   // tcp.hpp: a connection's operations go through the same stack as everything else.
   void post(op* o) noexcept { publish(o, o); }
@@ -272,8 +275,20 @@ class engine : public admission {
     std::uint64_t bytes = o->done;
     if (o->kind == op_kind::send) bytes = o->parts[1].iov_len;
     if (o->kind == op_kind::receive) bytes = o->received != nullptr ? o->received->length : 0;
-    metrics_[k]->record(ferry::metrics::now_ns() - o->published_ns, bytes,
-                        to == transfer_state::success);
+    const std::uint64_t latency = ferry::metrics::now_ns() - o->published_ns;
+    const bool ok = to == transfer_state::success;
+    metrics_[k]->record(latency, bytes, ok);
+    connection_state* c = o->connection;
+    if (c == nullptr || c->peer.empty()) return;
+    ferry::metrics::op_metrics*& peer = c->peer_metrics[o->kind == op_kind::send ? 0 : 1];
+    if (peer == nullptr) {
+      try {
+        peer = &registry_->operation(metric_names[k], c->peer);
+      } catch (...) {
+        return;  // out of memory: the peer's figures miss this operation; the kind's have it
+      }
+    }
+    peer->record(latency, bytes, ok);
   }
 
   // Never reached the kernel, and the ring is shutting down.
@@ -312,7 +327,9 @@ class engine : public admission {
   std::atomic<std::uint64_t> backlogged_{0};
 
   // Indexed by op_kind, read through receive; set before the first publish, then only read.
+  static constexpr const char* metric_names[] = {"read", "write", "readv", "writev", "send", "receive"};
   ferry::metrics::op_metrics* metrics_[6]{};
+  ferry::metrics::registry* registry_ = nullptr;  // for the per-peer figures, looked up on first use
   bool metered_ = false;
 };
 
