@@ -213,6 +213,25 @@ class backend_meter {
     record(kind, started_ns, bytes, succeeded, 0, [] { return std::string(); });
   }
 
+  // Likewise, for a backend that keeps each peer's figures with the peer itself (a queue pair, a
+  // connection): `cache` is that peer's slot for `kind`, null until its first operation, and
+  // `peer` its label (empty: the operation counts only in the kind's figures).
+  void record_cached(std::size_t kind, std::uint64_t started_ns, std::uint64_t bytes,
+                     bool succeeded, op_metrics*& cache, std::string_view peer) noexcept {
+    if (started_ns == 0 || kind >= max_kinds || kinds_[kind] == nullptr) return;
+    const std::uint64_t latency = now_ns() - started_ns;
+    kinds_[kind]->record(latency, bytes, succeeded);
+    if (peer.empty()) return;
+    if (cache == nullptr) {
+      try {
+        cache = &registry_->operation(names_[kind], peer);
+      } catch (...) {
+        return;  // out of memory: the peer's figures miss this operation; the kind's have it
+      }
+    }
+    cache->record(latency, bytes, succeeded);
+  }
+
  private:
   registry* registry_ = nullptr;
   std::array<const char*, max_kinds> names_{};

@@ -68,8 +68,7 @@ fail() { echo "FAILED: $*"; echo "--- target log"; cat "$work/target.log"; exit 
 
 metric_op=put
 [ "$backend" = tcp ] && metric_op=send
-peer=""
-[ "$backend" = ucx ] && peer=peer
+peer=peer  # both backends label their series per peer too
 
 start_target
 echo "== stream sweep, write"

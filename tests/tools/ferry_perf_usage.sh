@@ -1,6 +1,7 @@
 #!/bin/sh
 # ferry-perf's command line: --help prints the usage and exits 0; every bad argument prints what was
-# wrong and the usage, and exits 2; a backend it was built without, or verbs, is refused the same way.
+# wrong and the usage, and exits 2; a backend it was built without is refused the same way. Over
+# verbs on a machine without an RDMA adapter, a run ends with exit 1 and says that none was found.
 #   ferry_perf_usage.sh FERRY_PERF
 set -u
 perf=$1
@@ -35,7 +36,35 @@ bad initiator --connect 127.0.0.1:7000 --op erase
 bad initiator --connect 127.0.0.1:7000 --duration 0
 bad initiator --connect 127.0.0.1:7000 --duration
 bad initiator --connect 127.0.0.1:7000 --no-such-option
-bad initiator --connect 127.0.0.1:7000 --backend verbs
+bad initiator --connect 127.0.0.1:7000 --gid-index 300
+bad initiator --connect 127.0.0.1:7000 --device
 bad target --backend tcp
 bad file
+
+# verbs without an adapter: the target cannot open one and says so; the initiator reports it, exit 1.
+"$perf" initiator --backend verbs --connect 127.0.0.1:1 --duration 0.1 >"$out" 2>&1
+rc=$?
+if grep -q "built without it" "$out"; then
+  echo "ok: this ferry-perf was built without verbs (exit $rc)"
+elif [ -n "$(ls /sys/class/infiniband 2>/dev/null)" ]; then
+  echo "skipped: this machine has an RDMA adapter; the no-adapter check does not apply"
+else
+  port=$((20000 + $$ % 20000))
+  "$perf" target --backend verbs --listen "127.0.0.1:$port" --once >"$out.target" 2>&1 &
+  target=$!
+  for _ in $(seq 50); do
+    "$perf" initiator --backend verbs --connect "127.0.0.1:$port" --duration 0.1 --timeout 2 >"$out" 2>&1
+    rc=$?
+    grep -q "control connection" "$out" || break
+    sleep 0.1
+  done
+  kill "$target" 2>/dev/null
+  wait "$target" 2>/dev/null
+  if [ "$rc" -ne 1 ] || ! grep -q "no RDMA device found" "$out"; then
+    echo "verbs without an adapter: exit $rc (expected 1, saying no RDMA device was found):"; cat "$out"
+    rm -f "$out.target"; exit 1
+  fi
+  rm -f "$out.target"
+  echo "ok: verbs without an adapter -> 1: $(grep 'no RDMA device' "$out" | head -n 1)"
+fi
 echo "ferry-perf usage: ok"

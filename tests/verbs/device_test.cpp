@@ -453,3 +453,52 @@ TEST_CASE("verbs: a device given a metrics registry records each WRITE and READ,
   CHECK(s.operations[1].succeeded == 3);
   CHECK(s.operations[1].bytes == 3 * 1024);
 }
+
+TEST_CASE("verbs: a metered device also counts each queue pair's WRITEs and READs under its peer's name",
+          "[verbs]") {
+  ferry::metrics::registry metrics("verbs");
+  {
+    ferry::progress_executor exec;
+    fv::device_options o{fresh_device("peer_metrics"), 1, 0, 4096};
+    o.metrics = &metrics;
+    device a(exec, o);
+    device b(exec, fv::device_options{fresh_device("peer_metrics_b"), 1, 0, 4096});
+    region a_mem = region::allocate(a, 1 << 16);
+    region b_mem = region::allocate(b, 1 << 16);
+    // Two queue pairs to named peers and one without a name: its requests count only in the totals.
+    std::vector<queue_pair> mine;
+    std::vector<queue_pair> theirs;
+    for (const char* name : {"decode-1", "decode-2", ""}) {
+      fv::queue_pair_options qo;
+      qo.peer_name = name;
+      mine.emplace_back(a, qo);
+      theirs.emplace_back(b, fv::queue_pair_options{});
+      mine.back().connect(theirs.back().local_info());
+      theirs.back().connect(mine.back().local_info());
+    }
+    std::vector<transfer> ts;
+    for (std::size_t q = 0; q < mine.size(); ++q) {
+      for (std::size_t i = 0; i <= q; ++i) {
+        ts.push_back(mine[q].write(a_mem.slice(i * 512, 512), b_mem.remote().slice(i * 512, 512)));
+      }
+      ts.push_back(mine[q].read(a_mem.slice(8192, 100), b_mem.remote().slice(0, 100)));
+    }
+    REQUIRE(ferry::wait_all(ts, hang_bound).ok());
+  }
+  const ferry::metrics::snapshot s = metrics.snapshot();
+  auto find = [&](const std::string& kind, const std::string& peer) {
+    for (const auto& op : s.operations) {
+      if (op.kind == kind && op.peer == peer) return op;
+    }
+    FAIL("no " << kind << " series for peer '" << peer << "'");
+    return ferry::metrics::operation_snapshot{};
+  };
+  CHECK(find("write", "").succeeded == 6);
+  CHECK(find("read", "").succeeded == 3);
+  CHECK(find("write", "decode-1").succeeded == 1);
+  CHECK(find("write", "decode-2").succeeded == 2);
+  CHECK(find("write", "decode-2").bytes == 1024);
+  CHECK(find("read", "decode-1").succeeded == 1);
+  CHECK(find("read", "decode-2").bytes == 100);
+  CHECK(s.operations.size() == 6);  // the totals and two peers, for each of the two kinds
+}

@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include <ferry/ferry.hpp>
+#include <ferry/metrics.hpp>
 #include <ferry/testing/verbs.hpp>
 #include <ferry/verbs/device.hpp>
 #include <ferry/verbs/handshake.hpp>
@@ -122,4 +123,49 @@ TEST_CASE("verbs: a side channel peer that is not speaking the handshake is refu
   // Nobody connects: a clear timeout, not a hang.
   fv::side_channel_listener quiet(0);
   CHECK_THROWS_AS(quiet.accept(a, std::span<const fv::remote_region>(), {}, 50ms), std::system_error);
+}
+
+TEST_CASE("verbs: the handshake labels a metered queue pair's peer with the side channel's address",
+          "[verbs]") {
+  ferry::metrics::registry metrics("verbs");
+  {
+    ferry::progress_executor exec;
+    fv::device_options ao{fresh_device("hs_metrics_a"), 1, 0, 1024};
+    ao.metrics = &metrics;
+    device a(exec, ao);
+    device b(exec, fv::device_options{fresh_device("hs_metrics_b"), 1, 0, 1024});
+    region a_mem = region::allocate(a, 1 << 16);
+    region b_mem = region::allocate(b, 1 << 16);
+    fv::side_channel_listener listener(0);
+    std::optional<fv::basic_connection<provider>> accepted;
+    std::thread server([&] {
+      const fv::remote_region exposed[] = {b_mem.remote()};
+      accepted.emplace(listener.accept(b, std::span<const fv::remote_region>(exposed)));
+    });
+    fv::basic_connection<provider> c =
+        fv::connect(a, "127.0.0.1", listener.port(), std::span<const fv::remote_region>());
+    server.join();
+    REQUIRE(c.qp.write(a_mem.slice(0, 64), c.peer_regions[0].slice(0, 64)).wait_for(hang_bound) ==
+            transfer_state::success);
+    // A name given in the options is kept.
+    fv::queue_pair_options named;
+    named.peer_name = "prefill-7";
+    std::thread server2([&] {
+      const fv::remote_region exposed[] = {b_mem.remote()};
+      accepted.emplace(listener.accept(b, std::span<const fv::remote_region>(exposed)));
+    });
+    fv::basic_connection<provider> c2 =
+        fv::connect(a, "127.0.0.1", listener.port(), std::span<const fv::remote_region>(), named);
+    server2.join();
+    REQUIRE(c2.qp.write(a_mem.slice(0, 64), c2.peer_regions[0].slice(0, 64)).wait_for(hang_bound) ==
+            transfer_state::success);
+  }
+  std::vector<std::string> peers;
+  for (const auto& op : metrics.snapshot().operations) {
+    if (!op.peer.empty()) {
+      CHECK(op.succeeded == 1);
+      peers.push_back(op.peer);
+    }
+  }
+  CHECK(peers == std::vector<std::string>{"127.0.0.1", "prefill-7"});
 }

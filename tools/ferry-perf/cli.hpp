@@ -17,8 +17,8 @@ struct usage_error : std::runtime_error {
 
 inline const char* usage_text() {
   return R"(usage:
-  ferry-perf target    --backend tcp|ucx --listen HOST:PORT [--once] [options]
-  ferry-perf initiator --backend tcp|ucx --connect HOST:PORT [options]
+  ferry-perf target    --backend tcp|ucx|verbs --listen HOST:PORT [--once] [options]
+  ferry-perf initiator --backend tcp|ucx|verbs --connect HOST:PORT [options]
   ferry-perf file      --path FILE [--direct] [options]
   ferry-perf --help
 
@@ -29,7 +29,8 @@ both sides, the target's CPU time included.
 options (initiator and file):
   --op read|write            what each block does (default write). tcp: a write is a framed block
                              sent and acknowledged by the target; a read asks the target for one.
-                             ucx: one-sided put (landed) or get. file: io_uring read or write.
+                             ucx: one-sided put (landed) or get. verbs: RDMA WRITE or READ.
+                             file: io_uring read or write.
   --block-size S[:S2]        block size, K/M/G suffixes (default 1M); S:S2 sweeps powers of two
   --batch N                  blocks awaited together with one when_all (default 1)
   --depth N                  batches in flight per thread (default 4)
@@ -46,16 +47,17 @@ options (initiator and file):
   --layers L --requests R    the kv step's shape (default 8 and 2)
   --timeout S                deadline of every batch, connect and control exchange (default 5)
   --transport T              ucx: UCX's TLS setting (default tcp)
+  --device NAME              verbs (both sides): the RDMA device (default: the first one found)
+  --gid-index N              verbs (both sides): the source GID on RoCE (default 0)
   --file-size S              file: bytes of the file the blocks are placed in (default 256M)
   --no-metrics               do not record ferry's metrics (metrics.hpp) in the backend
   --json FILE                every figure, the configuration and the metrics, as JSON
   --plot FILE.svg            bandwidth against block size and the latency distribution
   --prometheus FILE          the backend's metrics in the Prometheus text format, after the run
 
-backends: tcp (io_uring TCP) and ucx (UCX one-sided RMA) where ferry was built with them; file is
-io_uring on one host. verbs: not in ferry-perf; ferry's verbs backend runs here only against its
-in-process fake adapter, and measuring that would measure the fake, so it needs RDMA hardware and
-is not offered (bench/ferry_bench's verbs scenarios run the fake for correctness-level figures).
+backends: tcp (io_uring TCP), ucx (UCX one-sided RMA) and verbs (RC queue pairs on an RDMA
+adapter, connected over ferry's TCP side channel; the target's --listen HOST must be numeric),
+where ferry was built with them; file is io_uring on one host.
 
 exit status: 0 success, 1 a run failed (the target went away, a deadline passed), 2 bad arguments.
 )";
@@ -82,6 +84,8 @@ struct config {
   std::size_t requests = 2;
   double timeout = 5;
   std::string transport = "tcp";
+  std::string device;
+  int gid_index = 0;
   std::size_t file_size = std::size_t{256} << 20;
   bool metrics = true;
   std::string json;
@@ -239,6 +243,15 @@ inline config parse(int argc, char** argv) {
       c.timeout = parse_seconds(need(), "--timeout");
     } else if (key == "--transport") {
       c.transport = need();
+    } else if (key == "--device") {
+      c.device = need();
+    } else if (key == "--gid-index") {
+      const std::string v = need();
+      if (v.empty() || v.size() > 3 || v.find_first_not_of("0123456789") != std::string::npos ||
+          std::stoi(v) > 255) {
+        throw usage_error("--gid-index: '" + v + "' is not a GID index from 0 to 255");
+      }
+      c.gid_index = std::stoi(v);
     } else if (key == "--file-size") {
       c.file_size = parse_size(need(), "--file-size");
     } else if (key == "--no-metrics") {

@@ -1,6 +1,10 @@
 // ferry-perf: ferry's transfers measured between two machines (or two network namespaces), as an
-// inference server uses them: blocks awaited in batches with a deadline, over io_uring TCP or UCX,
-// and io_uring file reads and writes on one host. usage: ferry-perf --help (cli.hpp).
+// inference server uses them: blocks awaited in batches with a deadline, over io_uring TCP, UCX or
+// RDMA verbs, and io_uring file reads and writes on one host. usage: ferry-perf --help (cli.hpp).
+//
+// The verbs backend runs on FERRY_PERF_VERBS_PROVIDER, libibverbs unless a build says otherwise: the
+// test tests/tools/ferry_perf_fake_verbs.cpp compiles this file on the fake adapter
+// (ferry/testing/verbs.hpp), with FERRY_PERF_NO_MAIN, and runs target and initiator in one process.
 
 #include <sys/resource.h>
 #include <sys/utsname.h>
@@ -34,6 +38,13 @@
 #endif
 #if FERRY_PERF_HAVE_UCX
 #include <ferry/ucx.hpp>
+#endif
+#if FERRY_PERF_HAVE_VERBS
+#include <ferry/verbs.hpp>
+#ifndef FERRY_PERF_VERBS_PROVIDER
+#define FERRY_PERF_VERBS_PROVIDER ferry::verbs::real_provider
+#define FERRY_PERF_VERBS_PROVIDER_NAME "libibverbs"
+#endif
 #endif
 
 #include "cli.hpp"
@@ -69,15 +80,11 @@ ferry::progress_mode mode_of(const std::string& m) {
 bool backend_built(const std::string& b) {
   if (b == "tcp" || b == "file") return FERRY_PERF_HAVE_URING != 0;
   if (b == "ucx") return FERRY_PERF_HAVE_UCX != 0;
+  if (b == "verbs") return FERRY_PERF_HAVE_VERBS != 0;
   return false;
 }
 
 void check_backend(const std::string& b) {
-  if (b == "verbs") {
-    throw usage_error(
-        "--backend verbs: ferry-perf does not run verbs; ferry's verbs backend needs an RDMA "
-        "adapter, and here it runs only against its in-process fake (see ferry-perf --help)");
-  }
   if (!backend_built(b)) {
     throw usage_error("--backend " + b + ": this ferry-perf was built without it (its library was "
                       "not found when ferry was configured)");
@@ -240,6 +247,65 @@ class ucx_channel final : public channel {
   std::size_t block_;
   ferry::detail::clock::duration timeout_;
   std::vector<ferry::ucx::rma_block> blocks_;
+};
+#endif
+
+#if FERRY_PERF_HAVE_VERBS
+using verbs_provider = FERRY_PERF_VERBS_PROVIDER;
+using verbs_device = ferry::verbs::basic_device<verbs_provider>;
+using verbs_region = ferry::verbs::basic_memory_region<verbs_provider>;
+using verbs_connection = ferry::verbs::basic_connection<verbs_provider>;
+
+// Queue pairs deep enough for a thread's blocks in flight (up to 4096 work requests; beyond that
+// a batch waits for room), admission bounded by the run's deadline rather than failing at once.
+ferry::verbs::queue_pair_options verbs_queue_pair(std::size_t slots, double timeout_s) {
+  ferry::verbs::queue_pair_options o;
+  o.send_depth = static_cast<std::uint32_t>(std::clamp<std::size_t>(slots, 16, 4096));
+  o.admission_timeout = seconds(timeout_s);
+  return o;
+}
+
+// A completion queue with room for every queue pair of the run (send depth, a peer check, receives).
+ferry::verbs::device_options verbs_device_options(const config& c, std::size_t queue_pairs,
+                                                  const ferry::verbs::queue_pair_options& qp,
+                                                  ferry::metrics::registry* reg) {
+  ferry::verbs::device_options o;
+  o.name = c.device;
+  o.gid_index = c.gid_index;
+  o.completion_queue_entries = static_cast<int>(queue_pairs * (qp.send_depth + 1 + qp.receive_depth) + 64);
+  o.metrics = reg;
+  return o;
+}
+
+class verbs_channel final : public channel {
+ public:
+  verbs_channel(verbs_connection conn, verbs_region local, std::uint64_t remote_base, bool write, std::size_t block,
+                std::chrono::nanoseconds timeout)
+      : conn_(std::move(conn)), local_(std::move(local)), remote_(conn_.peer_regions.at(0)), base_(remote_base),
+        write_(write), block_(block), timeout_(timeout) {}
+  void submit(std::size_t first, std::size_t n, std::size_t size, std::vector<ferry::transfer>& out) override {
+    blocks_.clear();
+    for (std::size_t i = first; i < first + n; ++i) {
+      blocks_.push_back({local_.slice(i * block_, size), remote_.slice(base_ + i * block_, size)});
+    }
+    const std::size_t at = out.size();
+    out.resize(at + n);
+    if (write_) {
+      conn_.qp.write_batch(blocks_, std::span(out).subspan(at, n), timeout_);
+    } else {
+      conn_.qp.read_batch(blocks_, std::span(out).subspan(at, n), timeout_);
+    }
+  }
+
+ private:
+  verbs_connection conn_;
+  verbs_region local_;
+  ferry::verbs::remote_region remote_;
+  std::uint64_t base_;
+  bool write_;
+  std::size_t block_;
+  std::chrono::nanoseconds timeout_;
+  std::vector<ferry::verbs::basic_rdma_block<verbs_provider>> blocks_;
 };
 #endif
 
@@ -482,6 +548,23 @@ point_result initiator_point(const config& c, std::size_t size, ferry::metrics::
       run_threads(channels, shape, p);
     }
 #endif
+  } else if (c.backend == "verbs") {
+#if FERRY_PERF_HAVE_VERBS
+    const ferry::verbs::queue_pair_options qp = verbs_queue_pair(slots, c.timeout);
+    verbs_device device(exec, verbs_device_options(c, c.threads, qp, c.metrics ? reg : nullptr));
+    {
+      std::vector<std::unique_ptr<channel>> channels;
+      for (std::size_t t = 0; t < c.threads; ++t) {
+        verbs_connection conn = ferry::verbs::connect(device, host, data_port, std::span<const ferry::verbs::remote_region>(),
+                                                      qp, seconds(c.timeout));
+        if (conn.peer_regions.empty()) throw control_error("the target exposed no memory region");
+        verbs_region local = verbs_region::allocate(device, slots * size);
+        channels.push_back(std::make_unique<verbs_channel>(std::move(conn), std::move(local), t * slots * size, write,
+                                                           size, seconds(c.timeout)));
+      }
+      run_threads(channels, shape, p);
+    }
+#endif
   }
   // The data connections are closed: the target's side of them has ended.
   try {
@@ -663,6 +746,26 @@ void target_session(const config& c, control_socket& ctl, const std::string& hos
       report();
     }
 #endif
+  } else if (backend == "verbs") {
+#if FERRY_PERF_HAVE_VERBS
+    // One-sided: the initiator's WRITEs and READs land in this region without this side's software;
+    // the target only keeps the queue pairs up until the initiator says it is done.
+    const ferry::verbs::queue_pair_options qp = verbs_queue_pair(slots, run_timeout);
+    verbs_device device(exec, verbs_device_options(c, threads, qp, nullptr));
+    const verbs_region region = verbs_region::allocate(device, threads * slots * block);
+    {
+      ferry::verbs::side_channel_listener listener(0, host);
+      ctl.send_line("ready port=" + std::to_string(listener.port()), tmo);
+      const ferry::verbs::remote_region exposed[] = {region.remote()};
+      std::vector<verbs_connection> conns;
+      for (std::size_t t = 0; t < threads; ++t) {
+        conns.push_back(listener.accept(device, std::span<const ferry::verbs::remote_region>(exposed), qp,
+                                        seconds(run_timeout)));
+      }
+      wait_done();
+      report();
+    }
+#endif
   }
 }
 
@@ -704,6 +807,9 @@ std::string environment_json(const config& c) {
     ::ucp_get_version(&maj, &min, &rel);
     o << ",\"ucx_version\":" << json_string(std::to_string(maj) + "." + std::to_string(min) + "." + std::to_string(rel));
   }
+#endif
+#if FERRY_PERF_HAVE_VERBS
+  if (c.backend == "verbs" && c.mode != "file") o << ",\"verbs_provider\":" << json_string(FERRY_PERF_VERBS_PROVIDER_NAME);
 #endif
   (void)c;
   o << "}";
@@ -768,10 +874,9 @@ int run_measurements(const config& c) {
 }
 
 }  // namespace
-}  // namespace ferry_perf
 
-int main(int argc, char** argv) {
-  using namespace ferry_perf;
+// The whole program: what main() returns.
+int run(int argc, char** argv) {
   ::signal(SIGPIPE, SIG_IGN);
   if (argc >= 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h" ||
                     std::string(argv[1]) == "help")) {
@@ -791,3 +896,9 @@ int main(int argc, char** argv) {
     return 1;
   }
 }
+
+}  // namespace ferry_perf
+
+#ifndef FERRY_PERF_NO_MAIN
+int main(int argc, char** argv) { return ferry_perf::run(argc, argv); }
+#endif

@@ -143,7 +143,8 @@ inline void write_json(const std::string& file, const config& c, const std::stri
   for (std::size_t i = 0; i < c.argv.size(); ++i) o << (i ? "," : "") << json_string(c.argv[i]);
   o << "],\n\"config\":{\"mode\":" << json_string(c.mode)
     << ",\"backend\":" << json_string(c.mode == "file" ? "file" : c.backend)
-    << ",\"transport\":" << json_string(c.mode == "file" ? "io_uring" : c.backend == "ucx" ? c.transport : "tcp")
+    << ",\"transport\":" << json_string(c.mode == "file" ? "io_uring" : c.backend == "ucx" ? c.transport
+                                         : c.backend == "verbs" ? "rc" : "tcp")
     << ",\"op\":" << json_string(c.op) << ",\"workload\":" << json_string(c.workload)
     << ",\"block_sizes\":[";
   for (std::size_t i = 0; i < c.sizes.size(); ++i) o << (i ? "," : "") << c.sizes[i];
@@ -152,7 +153,11 @@ inline void write_json(const std::string& file, const config& c, const std::stri
     << ",\"timeout_s\":" << json_number(c.timeout) << ",\"layers\":" << c.layers
     << ",\"requests\":" << c.requests << ",\"metrics\":" << (c.metrics ? "true" : "false")
     << ",\"connect\":" << json_string(c.connect) << ",\"path\":" << json_string(c.path)
-    << ",\"direct\":" << (c.direct ? "true" : "false") << ",\"file_size\":" << c.file_size << "},\n";
+    << ",\"direct\":" << (c.direct ? "true" : "false") << ",\"file_size\":" << c.file_size;
+  if (c.backend == "verbs" && c.mode != "file") {
+    o << ",\"device\":" << json_string(c.device) << ",\"gid_index\":" << c.gid_index;
+  }
+  o << "},\n";
   o << "\"results\":[";
   for (std::size_t i = 0; i < points.size(); ++i) {
     const point_result& p = points[i];

@@ -165,7 +165,9 @@ basic_connection<P> handshake(int fd, basic_device<P>& device, std::span<const r
     handshake_error("cannot expose " + std::to_string(exposed.size()) + " regions (at most " +
                     std::to_string(max_exposed_regions) + ")");
   }
-  basic_connection<P> c{basic_queue_pair<P>(device, options), {}};
+  queue_pair_options labelled = options;
+  if (labelled.peer_name.empty()) labelled.peer_name = ferry::detail::peer_address(fd);
+  basic_connection<P> c{basic_queue_pair<P>(device, labelled), {}};
   const endpoint_info mine = c.qp.local_info();
   wire_writer w;
   w.u32(handshake_magic);

@@ -42,6 +42,11 @@ struct queue_pair_options {
   // connected (the handshake, mark_peer_connected, or anything that came back from it), go out only
   // while nothing else is in flight, and take no request's send-queue credit. Zero turns them off.
   std::chrono::nanoseconds peer_check = std::chrono::seconds(1);
+  // How the peer is labelled in the device's metrics (device_options::metrics), where its writes
+  // and reads are also counted per peer. The handshake (handshake.hpp) fills an empty one with the
+  // side channel's peer address; empty after that (a queue pair connected by hand without one):
+  // its requests count only in the totals.
+  std::string peer_name;
 };
 
 struct device_counters {

@@ -97,6 +97,7 @@ struct qp_setup {
       s->admission_timeout = o.admission_timeout;
       s->flush_timeout = o.flush_timeout;
       s->peer_check = o.peer_check;
+      s->peer = o.peer_name;
       s->guard.qp = s.get();
       s->check.qp = s.get();
       s->cq_reserved = needs;

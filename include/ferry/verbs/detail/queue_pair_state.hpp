@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <infiniband/verbs.h>
@@ -16,6 +17,10 @@
 #include "ferry/detail/timer_service.hpp"
 #include "ferry/verbs/detail/op.hpp"
 #include "ferry/verbs/detail/qp_lifecycle.hpp"
+
+namespace ferry::metrics {
+class op_metrics;
+}  // namespace ferry::metrics
 
 namespace ferry::verbs {
 
@@ -59,6 +64,10 @@ struct qp_state {
   std::chrono::nanoseconds admission_timeout{};
   std::chrono::nanoseconds flush_timeout{};
   std::chrono::nanoseconds peer_check{};
+  // The peer's label in the device's metrics (queue_pair_options::peer_name; empty: none), and its
+  // figures for writes and reads (op_kind's order), the executor's, looked up at the first of each.
+  std::string peer;
+  ferry::metrics::op_metrics* peer_metrics[2] = {};
   qp_timer<P> guard;  // the flush timeout
   qp_timer<P> check;  // the next peer check
   // Free send-queue slots: submitters take them, the executor gives them back when a unit ends.

@@ -201,8 +201,11 @@ struct reaping {
       op_body* next = m->unit_next;
       ferry::detail::status_block* s = m->status;
       // op_kind's write and read are the meter's kinds 0 and 1; the rest were never stamped.
-      self().meter_.record(static_cast<std::size_t>(m->kind), published, m->sge.length,
-                           to == transfer_state::success && s->state() != transfer_state::failed);
+      if (m->kind == op_kind::write || m->kind == op_kind::read) {
+        self().meter_.record_cached(static_cast<std::size_t>(m->kind), published, m->sge.length,
+                                    to == transfer_state::success && s->state() != transfer_state::failed,
+                                    q->peer_metrics[static_cast<std::size_t>(m->kind)], q->peer);
+      }
       region_state* r = m->region;
       op::free(m);
       // The adapter is done with the memory: the region goes first, so that a continuation resumed
