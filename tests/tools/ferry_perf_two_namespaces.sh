@@ -82,6 +82,15 @@ initiator --op write --block-size 4K:64K --batch 2 --depth 2 --threads 2 --durat
 "$py" -c "import json,sys; d=json.load(open(sys.argv[1])); assert d['config']['threads']==2 and d['config']['batch']==2, d['config']" \
   "$work/stream.json" || fail "configuration in the JSON"
 
+if [ "$backend" = ucx ]; then
+  echo "== stream, puts that end when their source may be reused"
+  initiator --op write --block-size 64K --put-completion source-reusable --duration 0.5 \
+    --json "$work/reusable.json" || fail "source-reusable run exited $?"
+  "$py" "$checker" json "$work/reusable.json" ucx write stream 65536 put || fail "source-reusable JSON"
+  "$py" -c "import json,sys; c=json.load(open(sys.argv[1]))['config']; assert c['put_completion']=='source-reusable', c" \
+    "$work/reusable.json" || fail "put_completion in the JSON"
+fi
+
 echo "== latency, read"
 initiator --op read --workload latency --block-size 4K --duration 0.5 --executor busy \
   --json "$work/latency.json" --plot "$work/latency.svg" || fail "latency run exited $?"

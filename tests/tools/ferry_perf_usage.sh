@@ -38,6 +38,7 @@ bad initiator --connect 127.0.0.1:7000 --duration
 bad initiator --connect 127.0.0.1:7000 --no-such-option
 bad initiator --connect 127.0.0.1:7000 --gid-index 300
 bad initiator --connect 127.0.0.1:7000 --device
+bad initiator --connect 127.0.0.1:7000 --put-completion eventually
 bad target --backend tcp
 bad file
 

@@ -47,6 +47,9 @@ options (initiator and file):
   --layers L --requests R    the kv step's shape (default 8 and 2)
   --timeout S                deadline of every batch, connect and control exchange (default 5)
   --transport T              ucx: UCX's TLS setting (default tcp)
+  --put-completion landed|source-reusable
+                             ucx writes: a put ends once its data is in the target's memory (the
+                             put and a flush, default), or once only its source may be reused
   --device NAME              verbs (both sides): the RDMA device (default: the first one found)
   --gid-index N              verbs (both sides): the source GID on RoCE (default 0)
   --file-size S              file: bytes of the file the blocks are placed in (default 256M)
@@ -86,6 +89,7 @@ struct config {
   std::string transport = "tcp";
   std::string device;
   int gid_index = 0;
+  std::string put_completion = "landed";
   std::size_t file_size = std::size_t{256} << 20;
   bool metrics = true;
   std::string json;
@@ -243,6 +247,11 @@ inline config parse(int argc, char** argv) {
       c.timeout = parse_seconds(need(), "--timeout");
     } else if (key == "--transport") {
       c.transport = need();
+    } else if (key == "--put-completion") {
+      c.put_completion = need();
+      if (c.put_completion != "landed" && c.put_completion != "source-reusable") {
+        throw usage_error("--put-completion: '" + c.put_completion + "' is not landed or source-reusable");
+      }
     } else if (key == "--device") {
       c.device = need();
     } else if (key == "--gid-index") {

@@ -221,9 +221,10 @@ class file_channel final : public channel {
 class ucx_channel final : public channel {
  public:
   ucx_channel(ferry::ucx::endpoint ep, ferry::ucx::memory_region local, ferry::ucx::remote_memory remote,
-              std::uint64_t remote_base, bool write, std::size_t block, ferry::detail::clock::duration timeout)
+              std::uint64_t remote_base, bool write, ferry::ucx::put_completion completion, std::size_t block,
+              ferry::detail::clock::duration timeout)
       : ep_(std::move(ep)), local_(std::move(local)), remote_(remote), base_(remote_base), write_(write),
-        block_(block), timeout_(timeout) {}
+        completion_(completion), block_(block), timeout_(timeout) {}
   void submit(std::size_t first, std::size_t n, std::size_t size, std::vector<ferry::transfer>& out) override {
     blocks_.clear();
     for (std::size_t i = first; i < first + n; ++i) {
@@ -232,7 +233,7 @@ class ucx_channel final : public channel {
     const std::size_t at = out.size();
     out.resize(at + n);
     if (write_) {
-      ep_.put_batch(blocks_, std::span(out).subspan(at, n), timeout_);
+      ep_.put_batch(blocks_, std::span(out).subspan(at, n), timeout_, completion_);
     } else {
       ep_.get_batch(blocks_, std::span(out).subspan(at, n), timeout_);
     }
@@ -244,6 +245,7 @@ class ucx_channel final : public channel {
   ferry::ucx::remote_memory remote_;
   std::uint64_t base_;
   bool write_;
+  ferry::ucx::put_completion completion_;
   std::size_t block_;
   ferry::detail::clock::duration timeout_;
   std::vector<ferry::ucx::rma_block> blocks_;
@@ -542,8 +544,10 @@ point_result initiator_point(const config& c, std::size_t size, ferry::metrics::
         const auto regions = ep.peer_regions();
         if (regions.empty()) throw control_error("the target exposed no memory region");
         ferry::ucx::memory_region local = worker.allocate(slots * size);
+        const auto completion = c.put_completion == "landed" ? ferry::ucx::put_completion::landed
+                                                             : ferry::ucx::put_completion::source_reusable;
         channels.push_back(std::make_unique<ucx_channel>(ep, std::move(local), regions[0], t * slots * size, write,
-                                                         size, seconds(c.timeout)));
+                                                         completion, size, seconds(c.timeout)));
       }
       run_threads(channels, shape, p);
     }

@@ -154,6 +154,7 @@ inline void write_json(const std::string& file, const config& c, const std::stri
     << ",\"requests\":" << c.requests << ",\"metrics\":" << (c.metrics ? "true" : "false")
     << ",\"connect\":" << json_string(c.connect) << ",\"path\":" << json_string(c.path)
     << ",\"direct\":" << (c.direct ? "true" : "false") << ",\"file_size\":" << c.file_size;
+  if (c.backend == "ucx" && c.mode != "file") o << ",\"put_completion\":" << json_string(c.put_completion);
   if (c.backend == "verbs" && c.mode != "file") {
     o << ",\"device\":" << json_string(c.device) << ",\"gid_index\":" << c.gid_index;
   }
