@@ -1,7 +1,7 @@
 // ferry's microbenchmarks. Every figure is measured in this process, next to its baseline, and the
 // targets are printed as ratios.
 // Usage: ferry_bench [--quick] [latency] [when_all] [throughput] [uring] [tcp] [kv] [verbs]
-//                    [uring_depth]
+//                    [metrics] [uring_depth]
 // With no group named, every group but uring_depth runs (a sweep of queue depths that takes
 // about two minutes).
 
@@ -16,7 +16,7 @@
 int main(int argc, char** argv) {
   ferry_bench::options opt;
   bool latency = false, when_all = false, throughput = false, uring = false, tcp = false,
-       kv = false, verbs = false, uring_depth = false;
+       kv = false, verbs = false, metrics = false, uring_depth = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--quick") {
@@ -35,18 +35,20 @@ int main(int argc, char** argv) {
       kv = true;
     } else if (a == "verbs") {
       verbs = true;
+    } else if (a == "metrics") {
+      metrics = true;
     } else if (a == "uring_depth") {
       uring_depth = true;
     } else {
       std::fprintf(stderr,
                    "usage: %s [--quick] [latency] [when_all] [throughput] [uring] [tcp] [kv] "
-                   "[verbs] [uring_depth]\n",
+                   "[verbs] [metrics] [uring_depth]\n",
                    argv[0]);
       return 2;
     }
   }
-  if (!latency && !when_all && !throughput && !uring && !tcp && !kv && !verbs && !uring_depth) {
-    latency = when_all = throughput = uring = tcp = kv = verbs = true;
+  if (!latency && !when_all && !throughput && !uring && !tcp && !kv && !verbs && !metrics && !uring_depth) {
+    latency = when_all = throughput = uring = tcp = kv = verbs = metrics = true;
   }
 
   std::printf("# ferry benchmarks%s (%u hardware threads)\n", opt.quick ? " (quick)" : "",
@@ -58,9 +60,10 @@ int main(int argc, char** argv) {
 #if FERRY_BENCH_URING
   if (uring) ferry_bench::run_uring(opt);
   if (tcp) ferry_bench::run_tcp(opt);
+  if (metrics) ferry_bench::run_metrics(opt);
   if (uring_depth) ferry_bench::run_uring_depth(opt);
 #else
-  if (uring || tcp || uring_depth) {
+  if (uring || tcp || metrics || uring_depth) {
     std::printf("\n## io_uring and TCP\n\nskipped: built without liburing\n");
   }
 #endif
