@@ -217,38 +217,57 @@ class file_channel final : public channel {
 };
 #endif
 
+// The one-sided backends' channel: a thread's slot i is block i of its local region and block i of
+// its share of the target's region (from `remote_base`); a batch goes out as one batch call.
+template <class Block>
+class one_sided_channel : public channel {
+ public:
+  void submit(std::size_t first, std::size_t n, std::size_t size, std::vector<ferry::transfer>& out) final {
+    blocks_.clear();
+    for (std::size_t i = first; i < first + n; ++i) blocks_.push_back(block_at(i * block_, base_ + i * block_, size));
+    const std::size_t at = out.size();
+    out.resize(at + n);
+    post(blocks_, std::span(out).subspan(at, n));
+  }
+
+ protected:
+  one_sided_channel(std::uint64_t remote_base, std::size_t block) : base_(remote_base), block_(block) {}
+  virtual Block block_at(std::size_t local_offset, std::uint64_t remote_offset, std::size_t size) = 0;
+  virtual void post(std::span<const Block> blocks, std::span<ferry::transfer> out) = 0;
+
+ private:
+  std::uint64_t base_;
+  std::size_t block_;
+  std::vector<Block> blocks_;
+};
+
 #if FERRY_PERF_HAVE_UCX
-class ucx_channel final : public channel {
+class ucx_channel final : public one_sided_channel<ferry::ucx::rma_block> {
  public:
   ucx_channel(ferry::ucx::endpoint ep, ferry::ucx::memory_region local, ferry::ucx::remote_memory remote,
               std::uint64_t remote_base, bool write, ferry::ucx::put_completion completion, std::size_t block,
               ferry::detail::clock::duration timeout)
-      : ep_(std::move(ep)), local_(std::move(local)), remote_(remote), base_(remote_base), write_(write),
-        completion_(completion), block_(block), timeout_(timeout) {}
-  void submit(std::size_t first, std::size_t n, std::size_t size, std::vector<ferry::transfer>& out) override {
-    blocks_.clear();
-    for (std::size_t i = first; i < first + n; ++i) {
-      blocks_.push_back({local_.slice(i * block_, size), remote_.slice(base_ + i * block_, size)});
-    }
-    const std::size_t at = out.size();
-    out.resize(at + n);
+      : one_sided_channel(remote_base, block), ep_(std::move(ep)), local_(std::move(local)), remote_(remote),
+        write_(write), completion_(completion), timeout_(timeout) {}
+
+ private:
+  ferry::ucx::rma_block block_at(std::size_t local_offset, std::uint64_t remote_offset, std::size_t size) override {
+    return {local_.slice(local_offset, size), remote_.slice(remote_offset, size)};
+  }
+  void post(std::span<const ferry::ucx::rma_block> blocks, std::span<ferry::transfer> out) override {
     if (write_) {
-      ep_.put_batch(blocks_, std::span(out).subspan(at, n), timeout_, completion_);
+      ep_.put_batch(blocks, out, timeout_, completion_);
     } else {
-      ep_.get_batch(blocks_, std::span(out).subspan(at, n), timeout_);
+      ep_.get_batch(blocks, out, timeout_);
     }
   }
 
- private:
   ferry::ucx::endpoint ep_;
   ferry::ucx::memory_region local_;
   ferry::ucx::remote_memory remote_;
-  std::uint64_t base_;
   bool write_;
   ferry::ucx::put_completion completion_;
-  std::size_t block_;
   ferry::detail::clock::duration timeout_;
-  std::vector<ferry::ucx::rma_block> blocks_;
 };
 #endif
 
@@ -279,35 +298,31 @@ ferry::verbs::device_options verbs_device_options(const config& c, std::size_t q
   return o;
 }
 
-class verbs_channel final : public channel {
+class verbs_channel final : public one_sided_channel<ferry::verbs::basic_rdma_block<verbs_provider>> {
  public:
   verbs_channel(verbs_connection conn, verbs_region local, std::uint64_t remote_base, bool write, std::size_t block,
                 std::chrono::nanoseconds timeout)
-      : conn_(std::move(conn)), local_(std::move(local)), remote_(conn_.peer_regions.at(0)), base_(remote_base),
-        write_(write), block_(block), timeout_(timeout) {}
-  void submit(std::size_t first, std::size_t n, std::size_t size, std::vector<ferry::transfer>& out) override {
-    blocks_.clear();
-    for (std::size_t i = first; i < first + n; ++i) {
-      blocks_.push_back({local_.slice(i * block_, size), remote_.slice(base_ + i * block_, size)});
-    }
-    const std::size_t at = out.size();
-    out.resize(at + n);
+      : one_sided_channel(remote_base, block), conn_(std::move(conn)), local_(std::move(local)),
+        remote_(conn_.peer_regions.at(0)), write_(write), timeout_(timeout) {}
+
+ private:
+  using block_type = ferry::verbs::basic_rdma_block<verbs_provider>;
+  block_type block_at(std::size_t local_offset, std::uint64_t remote_offset, std::size_t size) override {
+    return {local_.slice(local_offset, size), remote_.slice(remote_offset, size)};
+  }
+  void post(std::span<const block_type> blocks, std::span<ferry::transfer> out) override {
     if (write_) {
-      conn_.qp.write_batch(blocks_, std::span(out).subspan(at, n), timeout_);
+      conn_.qp.write_batch(blocks, out, timeout_);
     } else {
-      conn_.qp.read_batch(blocks_, std::span(out).subspan(at, n), timeout_);
+      conn_.qp.read_batch(blocks, out, timeout_);
     }
   }
 
- private:
   verbs_connection conn_;
   verbs_region local_;
   ferry::verbs::remote_region remote_;
-  std::uint64_t base_;
   bool write_;
-  std::size_t block_;
   std::chrono::nanoseconds timeout_;
-  std::vector<ferry::verbs::basic_rdma_block<verbs_provider>> blocks_;
 };
 #endif
 
