@@ -1,6 +1,8 @@
 #pragma once
 // Shared by the tests: an engine thread driving a run_loop, a stopwatch, thread identities, and the
-// data and errors the tests move and inject.
+// data and errors the tests move and inject, and a metrics series looked up by kind and peer.
+
+#include <catch2/catch.hpp>
 
 #include <atomic>
 #include <chrono>
@@ -9,12 +11,14 @@
 #include <exception>
 #include <functional>
 #include <span>
+#include <string>
 #include <system_error>
 #include <thread>
 #include <type_traits>
 #include <vector>
 
 #include <ferry/ferry.hpp>
+#include <ferry/metrics.hpp>
 
 namespace ferry_test {
 
@@ -230,6 +234,18 @@ int later_failure_named(std::size_t n, int rounds, Look look) {
     if (r.verdict == ferry::verdict::failed && r.first_failed != 0u) ++wrong;
   }
   return wrong;
+}
+
+// The series of `kind` for `peer` (empty: the kind's total) in a metrics snapshot; a failed check
+// naming it, and an empty series, where there is none.
+inline ferry::metrics::operation_snapshot find_series(const ferry::metrics::snapshot& s,
+                                                      const std::string& kind,
+                                                      const std::string& peer = {}) {
+  for (const auto& o : s.operations) {
+    if (o.kind == kind && o.peer == peer) return o;
+  }
+  FAIL_CHECK("no " << kind << " series for peer '" << peer << "'");
+  return {};
 }
 
 }  // namespace ferry_test

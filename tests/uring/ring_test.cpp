@@ -462,13 +462,7 @@ TEST_CASE("uring: a ring given a metrics registry records each read and write th
                 .wait_for(hang_bound) == transfer_state::failed);
   }
   const ferry::metrics::snapshot s = metrics.snapshot();
-  auto find = [&](const char* kind) {
-    for (const auto& o : s.operations) {
-      if (o.kind == kind) return o;
-    }
-    FAIL("no " << kind);
-    return ferry::metrics::operation_snapshot{};
-  };
+  auto find = [&](const char* kind) { return find_series(s, kind); };
   const auto read = find("read");
   CHECK(read.succeeded == cached_blocks::n);
   CHECK(read.failed == 1);

@@ -1091,13 +1091,7 @@ TEST_CASE("tcp: a metered ring records sends and receives per peer address, besi
     REQUIRE(ferry::wait_all(ts, hang_bound).ok());
   }
   const ferry::metrics::snapshot s = metrics.snapshot();
-  auto find = [&](const std::string& kind, const std::string& peer) {
-    for (const auto& o : s.operations) {
-      if (o.kind == kind && o.peer == peer) return o;
-    }
-    FAIL("no " << kind << " series for peer '" << peer << "'");
-    return ferry::metrics::operation_snapshot{};
-  };
+  auto find = [&](const std::string& kind, const std::string& peer) { return find_series(s, kind, peer); };
   CHECK(find("send", "").succeeded == 2 * blocks);
   CHECK(find("receive", "").succeeded == 2 * blocks);
   const auto sends = find("send", "127.0.0.1");

@@ -423,13 +423,11 @@ TEST_CASE("verbs: a device given a metrics registry records each WRITE and READ,
           "[verbs]") {
   ferry::metrics::registry metrics("verbs");
   {
-    ferry::progress_executor exec;
-    fv::device_options o{fresh_device("metrics"), 1, 0, 4096};
-    o.metrics = &metrics;
-    device a(exec, o);
-    device b(exec, fv::device_options{fresh_device("metrics_b"), 1, 0, 4096});
-    region a_mem = region::allocate(a, 1 << 16);
-    region b_mem = region::allocate(b, 1 << 16);
+    metered_devices d(metrics, "metrics");
+    device& a = d.a;
+    device& b = d.b;
+    region& a_mem = d.a_mem;
+    region& b_mem = d.b_mem;
     queue_pair a_qp(a, fv::queue_pair_options{});
     queue_pair b_qp(b, fv::queue_pair_options{});
     a_qp.connect(b_qp.local_info());
@@ -458,41 +456,29 @@ TEST_CASE("verbs: a metered device also counts each queue pair's WRITEs and READ
           "[verbs]") {
   ferry::metrics::registry metrics("verbs");
   {
-    ferry::progress_executor exec;
-    fv::device_options o{fresh_device("peer_metrics"), 1, 0, 4096};
-    o.metrics = &metrics;
-    device a(exec, o);
-    device b(exec, fv::device_options{fresh_device("peer_metrics_b"), 1, 0, 4096});
-    region a_mem = region::allocate(a, 1 << 16);
-    region b_mem = region::allocate(b, 1 << 16);
+    metered_devices d(metrics, "peer_metrics");
     // Two queue pairs to named peers and one without a name: its requests count only in the totals.
     std::vector<queue_pair> mine;
     std::vector<queue_pair> theirs;
     for (const char* name : {"decode-1", "decode-2", ""}) {
       fv::queue_pair_options qo;
       qo.peer_name = name;
-      mine.emplace_back(a, qo);
-      theirs.emplace_back(b, fv::queue_pair_options{});
+      mine.emplace_back(d.a, qo);
+      theirs.emplace_back(d.b, fv::queue_pair_options{});
       mine.back().connect(theirs.back().local_info());
       theirs.back().connect(mine.back().local_info());
     }
     std::vector<transfer> ts;
     for (std::size_t q = 0; q < mine.size(); ++q) {
       for (std::size_t i = 0; i <= q; ++i) {
-        ts.push_back(mine[q].write(a_mem.slice(i * 512, 512), b_mem.remote().slice(i * 512, 512)));
+        ts.push_back(mine[q].write(d.a_mem.slice(i * 512, 512), d.b_mem.remote().slice(i * 512, 512)));
       }
-      ts.push_back(mine[q].read(a_mem.slice(8192, 100), b_mem.remote().slice(0, 100)));
+      ts.push_back(mine[q].read(d.a_mem.slice(8192, 100), d.b_mem.remote().slice(0, 100)));
     }
     REQUIRE(ferry::wait_all(ts, hang_bound).ok());
   }
   const ferry::metrics::snapshot s = metrics.snapshot();
-  auto find = [&](const std::string& kind, const std::string& peer) {
-    for (const auto& op : s.operations) {
-      if (op.kind == kind && op.peer == peer) return op;
-    }
-    FAIL("no " << kind << " series for peer '" << peer << "'");
-    return ferry::metrics::operation_snapshot{};
-  };
+  auto find = [&](const std::string& kind, const std::string& peer) { return ferry_test::find_series(s, kind, peer); };
   CHECK(find("write", "").succeeded == 6);
   CHECK(find("read", "").succeeded == 3);
   CHECK(find("write", "decode-1").succeeded == 1);

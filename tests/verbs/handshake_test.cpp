@@ -129,13 +129,11 @@ TEST_CASE("verbs: the handshake labels a metered queue pair's peer with the side
           "[verbs]") {
   ferry::metrics::registry metrics("verbs");
   {
-    ferry::progress_executor exec;
-    fv::device_options ao{fresh_device("hs_metrics_a"), 1, 0, 1024};
-    ao.metrics = &metrics;
-    device a(exec, ao);
-    device b(exec, fv::device_options{fresh_device("hs_metrics_b"), 1, 0, 1024});
-    region a_mem = region::allocate(a, 1 << 16);
-    region b_mem = region::allocate(b, 1 << 16);
+    metered_devices d(metrics, "hs_metrics");
+    device& a = d.a;
+    device& b = d.b;
+    region& a_mem = d.a_mem;
+    region& b_mem = d.b_mem;
     fv::side_channel_listener listener(0);
     std::optional<fv::basic_connection<provider>> accepted;
     std::thread server([&] {

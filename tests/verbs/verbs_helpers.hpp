@@ -12,6 +12,7 @@
 #include <vector>
 
 #include <ferry/ferry.hpp>
+#include <ferry/metrics.hpp>
 #include <ferry/verbs/device.hpp>
 #include <ferry/testing/verbs.hpp>
 
@@ -37,6 +38,24 @@ inline std::string fresh_device(const char* what) {
   fabric::instance().add_device(name);
   return name;
 }
+
+// Two fake adapters on one executor with a region each; `a` records into `metrics`.
+struct metered_devices {
+  metered_devices(ferry::metrics::registry& metrics, const char* what)
+      : a(exec, options(metrics, what)), b(exec, fv::device_options{fresh_device(what), 1, 0, 4096}) {}
+
+  static fv::device_options options(ferry::metrics::registry& metrics, const char* what) {
+    fv::device_options o{fresh_device(what), 1, 0, 4096};
+    o.metrics = &metrics;
+    return o;
+  }
+
+  ferry::progress_executor exec;
+  device a;
+  device b;
+  region a_mem = region::allocate(a, 1 << 16);
+  region b_mem = region::allocate(b, 1 << 16);
+};
 
 // Pauses the fake adapter for the scope: nothing is executed and no completion arrives.
 struct paused_fabric {
