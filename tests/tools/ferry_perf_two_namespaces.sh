@@ -12,49 +12,23 @@ perf=$2
 checker=$3
 py=/usr/bin/python3
 
-skip() { echo "skipped: $*"; exit 77; }
-[ "$(id -u)" = 0 ] || skip "making network namespaces needs root"
-command -v ip >/dev/null || skip "no ip command (Debian: iproute2)"
-[ -x "$py" ] || skip "no /usr/bin/python3 to check the outputs"
+[ -x "$py" ] || { echo "skipped: no /usr/bin/python3 to check the outputs"; exit 77; }
 
-tag="$$$((RANDOM % 1000))"
-ns_t="ferry_perf_t_$tag"
-ns_i="ferry_perf_i_$tag"
-veth_t="fpt$tag"
-veth_i="fpi$tag"
-work=$(mktemp -d)
+. "$(dirname "$0")/../netns_pair.sh"
+netns_pair ferry_perf
+ns_t=$ns_a
+ns_i=$ns_b
 target_pid=""
 initiator_pid=""
-cleanup() {
-  [ -n "$initiator_pid" ] && kill -9 "$initiator_pid" 2>/dev/null
-  [ -n "$target_pid" ] && kill -9 "$target_pid" 2>/dev/null
-  wait 2>/dev/null
-  ip netns del "$ns_t" 2>/dev/null
-  ip netns del "$ns_i" 2>/dev/null
-  rm -rf "$work"
-}
-trap cleanup EXIT
-trap 'exit 1' INT TERM
-
-ip netns add "$ns_t" 2>"$work/err" || skip "ip netns add failed: $(cat "$work/err")"
-ip netns add "$ns_i" 2>"$work/err" || skip "ip netns add failed: $(cat "$work/err")"
-ip link add "$veth_t" type veth peer name "$veth_i" 2>"$work/err" || skip "no veth pair: $(cat "$work/err")"
-ip link set "$veth_t" netns "$ns_t" && ip link set "$veth_i" netns "$ns_i" || skip "cannot move the veth ends"
-net="10.213.$((RANDOM % 250 + 1))"
-ip -n "$ns_t" addr add "$net.1/24" dev "$veth_t"
-ip -n "$ns_i" addr add "$net.2/24" dev "$veth_i"
-for ns in "$ns_t" "$ns_i"; do
-  ip -n "$ns" link set lo up
-done
-ip -n "$ns_t" link set "$veth_t" up
-ip -n "$ns_i" link set "$veth_i" up
-addr="$net.1:7301"
+netns_on_exit '[ -n "$initiator_pid" ] && kill -9 "$initiator_pid"'
+netns_on_exit '[ -n "$target_pid" ] && kill -9 "$target_pid"'
+addr="$ip_a:7301"
 
 start_target() {
   ip netns exec "$ns_t" "$perf" target --backend "$backend" --listen "$addr" >>"$work/target.log" 2>&1 &
   target_pid=$!
   for _ in $(seq 50); do
-    ip netns exec "$ns_t" ss -ltn 2>/dev/null | grep -q "$net.1:7301" && return 0
+    ip netns exec "$ns_t" ss -ltn 2>/dev/null | grep -q "$ip_a:7301" && return 0
     sleep 0.1
   done
   echo "the target did not start listening"; cat "$work/target.log"; exit 1
