@@ -25,9 +25,11 @@
 #include <cstdint>
 #include <cstdio>
 #include <initializer_list>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <ostream>
+#include <set>
 #include <span>
 #include <sstream>
 #include <string>
@@ -121,42 +123,73 @@ struct snapshot {
 
 // The figures of one backend instance (a ring, a worker, a device). It must outlive the backend it
 // is given to. Lookups take a lock and may allocate; recording takes neither.
+//
+// Per-peer series are kept for at most `max_peers` distinct peers (default 256): a server that sees
+// many short-lived peers (clients that come and go, each with a new address) would otherwise grow
+// its registry, and its exposition, without bound. Operations of peers beyond that are counted
+// under the peer `other_peer` ("other"); the kinds' totals count every operation either way.
 class registry {
  public:
+  static constexpr std::size_t default_max_peers = 256;
+  static constexpr std::string_view other_peer = "other";
+
   // `backend` labels every series ("uring", "ucx", "verbs"); `instance` (optional) tells two
   // backends of one kind apart in one export.
-  explicit registry(std::string backend, std::string instance = {})
-      : backend_(std::move(backend)), instance_(std::move(instance)) {}
+  explicit registry(std::string backend, std::string instance = {},
+                    std::size_t max_peers = default_max_peers)
+      : backend_(std::move(backend)), instance_(std::move(instance)), max_peers_(max_peers) {}
   registry(const registry&) = delete;
   registry& operator=(const registry&) = delete;
 
-  // The figures of `kind` for `peer` (empty: not per peer), made on first use.
+  // The figures of `kind` for `peer` (empty: not per peer), made on first use; for a peer beyond
+  // max_peers, the figures of `kind` for other_peer.
   [[nodiscard]] op_metrics& operation(std::string_view kind, std::string_view peer = {}) {
     std::lock_guard lock(mutex_);
-    for (const auto& m : ops_) {
-      if (m->kind() == kind && m->peer() == peer) return *m;
+    if (!peer.empty() && peer != other_peer && !peers_.contains(peer)) {
+      if (peers_.size() >= max_peers_) {
+        peer = other_peer;
+      } else {
+        peers_.emplace(peer);
+      }
     }
-    ops_.push_back(std::make_unique<op_metrics>(std::string(kind), std::string(peer)));
-    return *ops_.back();
+    const auto key = std::make_pair(std::string(kind), std::string(peer));
+    if (const auto it = index_.find(key); it != index_.end()) return *it->second;
+    auto made = std::make_unique<op_metrics>(key.first, key.second);
+    op_metrics& m = *made;
+    ops_.push_back(&m);
+    owned_.push_back(std::move(made));
+    index_.emplace(key, &m);
+    return m;
   }
 
+  // Every series, added up over its shards. The lock is held only to copy the list of series, not
+  // while they are read, so that a backend looking up a new series does not wait for a snapshot.
   [[nodiscard]] metrics::snapshot snapshot() const {
     metrics::snapshot out;
     out.backend = backend_;
-    std::lock_guard lock(mutex_);
-    out.operations.reserve(ops_.size());
-    for (const auto& m : ops_) out.operations.push_back(m->snapshot());
+    std::vector<const op_metrics*> all;
+    {
+      std::lock_guard lock(mutex_);
+      all.assign(ops_.begin(), ops_.end());
+    }
+    out.operations.reserve(all.size());
+    for (const op_metrics* m : all) out.operations.push_back(m->snapshot());
     return out;
   }
 
   [[nodiscard]] const std::string& backend() const noexcept { return backend_; }
   [[nodiscard]] const std::string& instance() const noexcept { return instance_; }
+  [[nodiscard]] std::size_t max_peers() const noexcept { return max_peers_; }
 
  private:
   std::string backend_;
   std::string instance_;
+  std::size_t max_peers_;
   mutable std::mutex mutex_;
-  std::vector<std::unique_ptr<op_metrics>> ops_;
+  std::vector<std::unique_ptr<op_metrics>> owned_;  // never shrinks: series' addresses are stable
+  std::vector<const op_metrics*> ops_;              // in the order they were first looked up
+  std::map<std::pair<std::string, std::string>, op_metrics*> index_;
+  std::set<std::string, std::less<>> peers_;
 };
 
 // The clock backends stamp operations with: steady, in nanoseconds.

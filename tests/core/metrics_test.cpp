@@ -41,6 +41,28 @@ TEST_CASE("every latency lands in a bucket whose bounds hold it", "[metrics]") {
   CHECK(detail::bucket_of(~0ull) == detail::latency_buckets - 1);
 }
 
+TEST_CASE("per-peer series stop at max_peers peers; later peers count under \"other\"",
+          "[metrics]") {
+  registry r("uring", {}, 2);
+  op_metrics& a = r.operation("read", "10.0.0.1");
+  op_metrics& b = r.operation("read", "10.0.0.2");
+  op_metrics& c = r.operation("read", "10.0.0.3");
+  CHECK(&a != &b);
+  CHECK(c.peer() == "other");
+  CHECK(&r.operation("read", "10.0.0.4") == &c);
+  // A peer already kept keeps its own series for every kind; a new one does not.
+  CHECK(r.operation("write", "10.0.0.2").peer() == "10.0.0.2");
+  CHECK(r.operation("write", "10.0.0.9").peer() == "other");
+  // The totals are their own series whatever the peers.
+  CHECK(r.operation("read").peer().empty());
+  c.record(100, 1, true);
+  std::ostringstream text;
+  write_prometheus(text, r);
+  CHECK(text.str().find("peer=\"other\"") != std::string::npos);
+  CHECK(text.str().find("10.0.0.3") == std::string::npos);
+  CHECK(r.snapshot().operations.size() == 6);  // read: a, b, other, total; write: 10.0.0.2, other
+}
+
 TEST_CASE("a snapshot adds up what was recorded, by outcome, with bytes of successes only",
           "[metrics]") {
   registry r("uring");

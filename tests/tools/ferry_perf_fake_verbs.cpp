@@ -99,6 +99,12 @@ int main(int argc, char** argv) {
                                "2", "--block-size", "16K", "--duration", "0.5", "--executor", "park", "--json",
                                out + "/kv.json"});
   }
+  // A kv layer of 8192 blocks, twice the deepest send queue ferry-perf asks for: it goes out in parts.
+  if (rc == 0) {
+    rc = one_run("kv, layers larger than the send queue",
+                 {"--op", "write", "--workload", "kv", "--layers", "1", "--requests", "2", "--batch", "4096",
+                  "--block-size", "4K", "--duration", "0.3"});
+  }
   // A device that does not exist: the target says so, and the initiator exits 1 naming it.
   if (rc == 0) {
     const std::uint16_t port = free_port();

@@ -39,6 +39,10 @@ bad initiator --connect 127.0.0.1:7000 --no-such-option
 bad initiator --connect 127.0.0.1:7000 --gid-index 300
 bad initiator --connect 127.0.0.1:7000 --device
 bad initiator --connect 127.0.0.1:7000 --put-completion eventually
+bad initiator --connect 127.0.0.1:7000 --backend tcp --put-completion landed
+bad initiator --connect 127.0.0.1:7000 --backend ucx --device mlx5_0
+bad file --path /tmp/x --gid-index 3
+bad target --backend verbs --listen localhost:7000
 bad target --backend tcp
 bad file
 

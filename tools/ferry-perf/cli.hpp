@@ -2,6 +2,9 @@
 // ferry-perf's command line: the configuration every mode reads, sizes with K/M/G suffixes and
 // power-of-two ranges, and the usage text. A bad argument throws usage_error (exit status 2).
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
@@ -90,6 +93,7 @@ struct config {
   std::string device;
   int gid_index = 0;
   std::string put_completion = "landed";
+  bool backend_options_given[3] = {};  // --put-completion, --device, --gid-index: checked against --backend
   std::size_t file_size = std::size_t{256} << 20;
   bool metrics = true;
   std::string json;
@@ -249,11 +253,13 @@ inline config parse(int argc, char** argv) {
       c.transport = need();
     } else if (key == "--put-completion") {
       c.put_completion = need();
+      c.backend_options_given[0] = true;
       if (c.put_completion != "landed" && c.put_completion != "source-reusable") {
         throw usage_error("--put-completion: '" + c.put_completion + "' is not landed or source-reusable");
       }
     } else if (key == "--device") {
       c.device = need();
+      c.backend_options_given[1] = true;
     } else if (key == "--gid-index") {
       const std::string v = need();
       if (v.empty() || v.size() > 3 || v.find_first_not_of("0123456789") != std::string::npos ||
@@ -261,6 +267,7 @@ inline config parse(int argc, char** argv) {
         throw usage_error("--gid-index: '" + v + "' is not a GID index from 0 to 255");
       }
       c.gid_index = std::stoi(v);
+      c.backend_options_given[2] = true;
     } else if (key == "--file-size") {
       c.file_size = parse_size(need(), "--file-size");
     } else if (key == "--no-metrics") {
@@ -280,6 +287,23 @@ inline config parse(int argc, char** argv) {
     throw usage_error("initiator needs --connect HOST:PORT");
   }
   if (c.mode == "file" && c.path.empty()) throw usage_error("file needs --path FILE");
+  const std::string used = c.mode == "file" ? "file" : c.backend;
+  if (c.backend_options_given[0] && used != "ucx") {
+    throw usage_error("--put-completion applies to --backend ucx, not " + used);
+  }
+  if ((c.backend_options_given[1] || c.backend_options_given[2]) && used != "verbs") {
+    throw usage_error(std::string(c.backend_options_given[1] ? "--device" : "--gid-index") +
+                      " applies to --backend verbs, not " + used);
+  }
+  if (c.mode == "target" && c.backend == "verbs") {
+    std::string host;
+    std::uint16_t port = 0;
+    split_host_port(c.listen, "--listen", host, port);
+    in6_addr any{};
+    if (::inet_pton(AF_INET, host.c_str(), &any) != 1 && ::inet_pton(AF_INET6, host.c_str(), &any) != 1) {
+      throw usage_error("--listen: a verbs target needs a numeric address to listen on, not '" + host + "'");
+    }
+  }
   if (c.workload == "latency") {
     c.batch = 1;
     c.depth = 1;

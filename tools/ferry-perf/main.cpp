@@ -43,6 +43,8 @@
 #include <ferry/verbs.hpp>
 #ifndef FERRY_PERF_VERBS_PROVIDER
 #define FERRY_PERF_VERBS_PROVIDER ferry::verbs::real_provider
+#endif
+#ifndef FERRY_PERF_VERBS_PROVIDER_NAME
 #define FERRY_PERF_VERBS_PROVIDER_NAME "libibverbs"
 #endif
 #endif
@@ -277,8 +279,9 @@ using verbs_device = ferry::verbs::basic_device<verbs_provider>;
 using verbs_region = ferry::verbs::basic_memory_region<verbs_provider>;
 using verbs_connection = ferry::verbs::basic_connection<verbs_provider>;
 
-// Queue pairs deep enough for a thread's blocks in flight (up to 4096 work requests; beyond that
-// a batch waits for room), admission bounded by the run's deadline rather than failing at once.
+// Queue pairs deep enough for a thread's blocks in flight (up to 4096 work requests; beyond that a
+// submitting thread waits for room, and a batch larger than the queue goes out in parts: see
+// verbs_channel::post), admission bounded by the run's deadline rather than failing at once.
 ferry::verbs::queue_pair_options verbs_queue_pair(std::size_t slots, double timeout_s) {
   ferry::verbs::queue_pair_options o;
   o.send_depth = static_cast<std::uint32_t>(std::clamp<std::size_t>(slots, 16, 4096));
@@ -310,11 +313,17 @@ class verbs_channel final : public one_sided_channel<ferry::verbs::basic_rdma_bl
   block_type block_at(std::size_t local_offset, std::uint64_t remote_offset, std::size_t size) override {
     return {local_.slice(local_offset, size), remote_.slice(remote_offset, size)};
   }
+  // A batch larger than the send queue (a kv layer of more than 4096 blocks) goes out as several
+  // batch calls of at most send_depth() work requests; the layer's when_all awaits them all.
   void post(std::span<const block_type> blocks, std::span<ferry::transfer> out) override {
-    if (write_) {
-      conn_.qp.write_batch(blocks, out, timeout_);
-    } else {
-      conn_.qp.read_batch(blocks, out, timeout_);
+    const std::size_t most = conn_.qp.send_depth();
+    for (std::size_t at = 0; at < blocks.size(); at += most) {
+      const std::size_t n = std::min(most, blocks.size() - at);
+      if (write_) {
+        conn_.qp.write_batch(blocks.subspan(at, n), out.subspan(at, n), timeout_);
+      } else {
+        conn_.qp.read_batch(blocks.subspan(at, n), out.subspan(at, n), timeout_);
+      }
     }
   }
 

@@ -76,6 +76,10 @@ class basic_queue_pair {
     return b == 0 ? std::error_code{} : make_error_code(static_cast<errc>(b));
   }
 
+  // Work requests the send queue holds (queue_pair_options::send_depth, or less where the adapter
+  // granted less): the largest batch a read_batch or write_batch takes.
+  [[nodiscard]] std::uint32_t send_depth() const noexcept { return state_->send_depth; }
+
   // Free send-queue slots right now.
   [[nodiscard]] std::int64_t send_credits() const noexcept {
     return state_->credits.load(std::memory_order_relaxed);

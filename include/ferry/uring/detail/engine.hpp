@@ -278,8 +278,10 @@ class engine : public admission {
     std::uint64_t bytes = o->done;
     if (o->kind == op_kind::send) bytes = o->parts[1].iov_len;
     if (o->kind == op_kind::receive) bytes = o->received != nullptr ? o->received->length : 0;
-    // In a reaped batch, the batch's clock read; an operation published (by a continuation resumed
-    // inline) after it was taken, and ended within the batch, counts as taking no time.
+    // In a reaped batch, the batch's clock read. That also times an operation that ends without a
+    // completion of its own while the batch is handled (a backlogged one cancelled by a continuation
+    // resumed inline, say); one published after the read and ended within the batch counts as
+    // taking no time.
     const std::uint64_t ended = reaped_ns_ != 0 ? reaped_ns_ : ferry::metrics::now_ns();
     const std::uint64_t latency = ended > o->published_ns ? ended - o->published_ns : 0;
     const bool ok = to == transfer_state::success;
