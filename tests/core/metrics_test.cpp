@@ -1,5 +1,6 @@
 #include <ferry/metrics.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
@@ -168,4 +169,39 @@ TEST_CASE("operations looked up from many threads at once are made once each",
   for (const auto& o : s.operations) total += o.succeeded;
   CHECK(total == 8 * 200);
   for (op_metrics* p : seen) CHECK(p == seen[0]);
+}
+
+TEST_CASE("series made from many threads while a reader takes snapshots: each seen whole, none lost",
+          "[metrics][concurrency]") {
+  registry r("uring", {}, 1000);
+  constexpr int threads = 4;
+  constexpr int peers_each = 150;
+  std::atomic<bool> done{false};
+  bool well_formed = true;
+  std::size_t most_seen = 0;
+  std::thread reader([&] {
+    for (int i = 0; i < 100000 && !done.load(std::memory_order_acquire); ++i) {
+      const snapshot s = r.snapshot();
+      for (const auto& o : s.operations) {
+        if (o.kind != "send" || o.peer.rfind("10.", 0) != 0 || o.succeeded > 1) well_formed = false;
+      }
+      most_seen = std::max(most_seen, s.operations.size());
+    }
+  });
+  std::vector<std::thread> makers;
+  for (int t = 0; t < threads; ++t) {
+    makers.emplace_back([&r, t] {
+      for (int i = 0; i < peers_each; ++i) {
+        r.operation("send", "10." + std::to_string(t) + ".0." + std::to_string(i)).record(5, 1, true);
+      }
+    });
+  }
+  for (auto& m : makers) m.join();
+  done.store(true, std::memory_order_release);
+  reader.join();
+  const snapshot s = r.snapshot();
+  CHECK(well_formed);
+  CHECK(most_seen <= s.operations.size());
+  REQUIRE(s.operations.size() == threads * peers_each);
+  for (const auto& o : s.operations) CHECK(o.succeeded == 1);
 }
