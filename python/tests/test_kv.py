@@ -188,11 +188,18 @@ def test_drain_step_waits_for_everything_and_the_tracker_refuses_other_threads_m
     seen = []
 
     def other_thread():
+        # Tries until drain_step is running (only then is it refused; before, the call is just
+        # serialized by the GIL), however late the main thread gets there; bounded.
         try:
-            tr.verdict(1)
-        except RuntimeError as e:
-            seen.append(str(e))
-        c.succeed()
+            for _ in range(int(HANG / 0.001)):
+                try:
+                    tr.verdict(1)
+                except RuntimeError as e:
+                    seen.append(str(e))
+                    return
+                time.sleep(0.001)
+        finally:
+            c.succeed()  # drain_step cannot return before this
 
     later(0.05, other_thread)
     assert tr.drain_step(HANG).ok
@@ -202,7 +209,9 @@ def test_drain_step_waits_for_everything_and_the_tracker_refuses_other_threads_m
 def test_post_retries_a_full_queue_then_registers_an_ordinary_failure(loopback):
     tr, rec = tracker_with()
     tr.begin_step()
-    h = tr.add_request(1, admission_timeout=0.02)
+    # Taken on the third try. Its admission deadline is only a "did not hang" bound: a short one
+    # could pass while a loaded machine keeps this thread off the CPU between tries.
+    h = tr.add_request(1, admission_timeout=HANG)
     tries = []
 
     def full_then_taken():
@@ -211,8 +220,10 @@ def test_post_retries_a_full_queue_then_registers_an_ordinary_failure(loopback):
 
     tr.post(h, 0, [1], full_then_taken)
     assert len(tries) == 3
-    tr.post(h, 1, [2], lambda: None)  # never taken: fails at the admission deadline
     tr.seal(h)
+    full = tr.add_request(3, admission_timeout=0.02)
+    tr.post(full, 1, [2], lambda: None)  # never taken: fails at the admission deadline
+    tr.seal(full)
     r = tr.wait_layer(1, HANG)
     assert r.verdict == Verdict.failed and r.error == Errc.submission_queue_full
     assert tr.drain_step(HANG).pending == 0
