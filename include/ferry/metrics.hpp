@@ -154,10 +154,8 @@ class registry {
     }
     const auto key = std::make_pair(std::string(kind), std::string(peer));
     if (const auto it = index_.find(key); it != index_.end()) return *it->second;
-    auto made = std::make_unique<op_metrics>(key.first, key.second);
-    op_metrics& m = *made;
-    ops_.push_back(&m);
-    owned_.push_back(std::move(made));
+    ops_.push_back(std::make_unique<op_metrics>(key.first, key.second));
+    op_metrics& m = *ops_.back();
     index_.emplace(key, &m);
     return m;
   }
@@ -170,7 +168,8 @@ class registry {
     std::vector<const op_metrics*> all;
     {
       std::lock_guard lock(mutex_);
-      all.assign(ops_.begin(), ops_.end());
+      all.reserve(ops_.size());
+      for (const auto& m : ops_) all.push_back(m.get());
     }
     out.operations.reserve(all.size());
     for (const op_metrics* m : all) out.operations.push_back(m->snapshot());
@@ -186,8 +185,8 @@ class registry {
   std::string instance_;
   std::size_t max_peers_;
   mutable std::mutex mutex_;
-  std::vector<std::unique_ptr<op_metrics>> owned_;  // never shrinks: series' addresses are stable
-  std::vector<const op_metrics*> ops_;              // in the order they were first looked up
+  // In the order they were first looked up; never shrinks, and the series' addresses are stable.
+  std::vector<std::unique_ptr<op_metrics>> ops_;
   std::map<std::pair<std::string, std::string>, op_metrics*> index_;
   std::set<std::string, std::less<>> peers_;
 };
@@ -248,11 +247,15 @@ class backend_meter {
 
   // Likewise, for a backend that keeps each peer's figures with the peer itself (a queue pair, a
   // connection): `cache` is that peer's slot for `kind`, null until its first operation, and
-  // `peer` its label (empty: the operation counts only in the kind's figures).
+  // `peer` its label (empty: the operation counts only in the kind's figures). `ended_ns` is when
+  // it ended (0: now), for a backend that reads the clock once for many; an end before the start
+  // (stamped before an operation published after it) counts as no time.
   void record_cached(std::size_t kind, std::uint64_t started_ns, std::uint64_t bytes,
-                     bool succeeded, op_metrics*& cache, std::string_view peer) noexcept {
+                     bool succeeded, op_metrics*& cache, std::string_view peer,
+                     std::uint64_t ended_ns = 0) noexcept {
     if (started_ns == 0 || kind >= max_kinds || kinds_[kind] == nullptr) return;
-    const std::uint64_t latency = now_ns() - started_ns;
+    const std::uint64_t ended = ended_ns != 0 ? ended_ns : now_ns();
+    const std::uint64_t latency = ended > started_ns ? ended - started_ns : 0;
     kinds_[kind]->record(latency, bytes, succeeded);
     if (peer.empty()) return;
     if (cache == nullptr) {

@@ -93,7 +93,10 @@ struct config {
   std::string device;
   int gid_index = 0;
   std::string put_completion = "landed";
-  bool backend_options_given[3] = {};  // --put-completion, --device, --gid-index: checked against --backend
+  // Given on the command line, so checked against --backend.
+  bool put_completion_given = false;
+  bool device_given = false;
+  bool gid_index_given = false;
   std::size_t file_size = std::size_t{256} << 20;
   bool metrics = true;
   std::string json;
@@ -253,13 +256,13 @@ inline config parse(int argc, char** argv) {
       c.transport = need();
     } else if (key == "--put-completion") {
       c.put_completion = need();
-      c.backend_options_given[0] = true;
+      c.put_completion_given = true;
       if (c.put_completion != "landed" && c.put_completion != "source-reusable") {
         throw usage_error("--put-completion: '" + c.put_completion + "' is not landed or source-reusable");
       }
     } else if (key == "--device") {
       c.device = need();
-      c.backend_options_given[1] = true;
+      c.device_given = true;
     } else if (key == "--gid-index") {
       const std::string v = need();
       if (v.empty() || v.size() > 3 || v.find_first_not_of("0123456789") != std::string::npos ||
@@ -267,7 +270,7 @@ inline config parse(int argc, char** argv) {
         throw usage_error("--gid-index: '" + v + "' is not a GID index from 0 to 255");
       }
       c.gid_index = std::stoi(v);
-      c.backend_options_given[2] = true;
+      c.gid_index_given = true;
     } else if (key == "--file-size") {
       c.file_size = parse_size(need(), "--file-size");
     } else if (key == "--no-metrics") {
@@ -288,11 +291,11 @@ inline config parse(int argc, char** argv) {
   }
   if (c.mode == "file" && c.path.empty()) throw usage_error("file needs --path FILE");
   const std::string used = c.mode == "file" ? "file" : c.backend;
-  if (c.backend_options_given[0] && used != "ucx") {
+  if (c.put_completion_given && used != "ucx") {
     throw usage_error("--put-completion applies to --backend ucx, not " + used);
   }
-  if ((c.backend_options_given[1] || c.backend_options_given[2]) && used != "verbs") {
-    throw usage_error(std::string(c.backend_options_given[1] ? "--device" : "--gid-index") +
+  if ((c.device_given || c.gid_index_given) && used != "verbs") {
+    throw usage_error(std::string(c.device_given ? "--device" : "--gid-index") +
                       " applies to --backend verbs, not " + used);
   }
   if (c.mode == "target" && c.backend == "verbs") {

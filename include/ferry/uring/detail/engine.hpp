@@ -24,6 +24,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
+#include <string_view>
 #include <system_error>
 
 #include "ferry/detail/submission_stack.hpp"
@@ -60,7 +61,7 @@ class engine : public admission {
   // Publishes a chain linked newest → oldest through op::next. The caller prepared everything: after
   // the CAS the executor owns the ops.
   void publish(op* newest, op* oldest) noexcept {
-    if (metered_) {
+    if (meter_.attached()) {
       const std::uint64_t now = ferry::metrics::now_ns();
       for (op* o = newest;; o = o->next) {
         o->published_ns = now;
@@ -74,13 +75,11 @@ class engine : public admission {
   // Records every read, write, send and receive that ends into `r` (ring_options::metrics); before
   // anything is published.
   void meter(ferry::metrics::registry& r) {
-    for (std::size_t k = 0; k < std::size(metric_names); ++k) metrics_[k] = &r.operation(metric_names[k]);
-    registry_ = &r;
-    metered_ = true;
+    meter_.attach(&r, {"read", "write", "readv", "writev", "send", "receive"});  // op_kind's order
   }
 
   // tcp.hpp: whether a new connection should learn its peer's address for the per-peer figures.
-  [[nodiscard]] bool metered() const noexcept { return metered_; }
+  [[nodiscard]] bool metered() const noexcept { return meter_.attached(); }
 
   // tcp.hpp: a connection's operations go through the same stack as everything else.
   void post(op* o) noexcept { publish(o, o); }
@@ -214,7 +213,7 @@ class engine : public admission {
       const unsigned n = ::io_uring_peek_batch_cqe(&ring_, batch, want);
       if (n == 0) break;
       // One clock read for the batch's metrics: each of its operations ended by now.
-      if (metered_) reaped_ns_ = ferry::metrics::now_ns();
+      if (meter_.attached()) reaped_ns_ = ferry::metrics::now_ns();
       struct entry {
         std::uint64_t data;
         int res;
@@ -273,8 +272,6 @@ class engine : public admission {
   }
 
   void record(const op* o, transfer_state to) noexcept {
-    const auto k = static_cast<std::size_t>(o->kind);
-    if (k >= std::size(metrics_) || metrics_[k] == nullptr) return;
     std::uint64_t bytes = o->done;
     if (o->kind == op_kind::send) bytes = o->parts[1].iov_len;
     if (o->kind == op_kind::receive) bytes = o->received != nullptr ? o->received->length : 0;
@@ -282,21 +279,13 @@ class engine : public admission {
     // completion of its own while the batch is handled (a backlogged one cancelled by a continuation
     // resumed inline, say); one published after the read and ended within the batch counts as
     // taking no time.
-    const std::uint64_t ended = reaped_ns_ != 0 ? reaped_ns_ : ferry::metrics::now_ns();
-    const std::uint64_t latency = ended > o->published_ns ? ended - o->published_ns : 0;
-    const bool ok = to == transfer_state::success;
-    metrics_[k]->record(latency, bytes, ok);
+    // Sends and receives also count for their connection's peer (0 and 1 of its figures).
     connection_state* c = o->connection;
-    if (c == nullptr || c->peer.empty()) return;
-    ferry::metrics::op_metrics*& peer = c->peer_metrics[o->kind == op_kind::send ? 0 : 1];
-    if (peer == nullptr) {
-      try {
-        peer = &registry_->operation(metric_names[k], c->peer);
-      } catch (...) {
-        return;  // out of memory: the peer's figures miss this operation; the kind's have it
-      }
-    }
-    peer->record(latency, bytes, ok);
+    ferry::metrics::op_metrics* no_peer = nullptr;
+    meter_.record_cached(static_cast<std::size_t>(o->kind), o->published_ns, bytes,
+                         to == transfer_state::success,
+                         c != nullptr ? c->peer_metrics[o->kind == op_kind::send ? 0 : 1] : no_peer,
+                         c != nullptr ? std::string_view(c->peer) : std::string_view(), reaped_ns_);
   }
 
   // Never reached the kernel, and the ring is shutting down.
@@ -334,12 +323,10 @@ class engine : public admission {
   std::atomic<std::uint64_t> resubmitted_{0};
   std::atomic<std::uint64_t> backlogged_{0};
 
-  // Indexed by op_kind, read through receive; set before the first publish, then only read.
-  static constexpr const char* metric_names[] = {"read", "write", "readv", "writev", "send", "receive"};
-  ferry::metrics::op_metrics* metrics_[6]{};
-  ferry::metrics::registry* registry_ = nullptr;  // for the per-peer figures, looked up on first use
+  // Kinds by op_kind, read through receive; attached before the first publish, then recorded into by
+  // the executor.
+  ferry::metrics::backend_meter meter_;
   std::uint64_t reaped_ns_ = 0;  // while reap() completes a metered batch: when it was taken
-  bool metered_ = false;
 };
 
 // The arrival of an operation that goes to the kernel as it comes (or waits for room).
