@@ -69,24 +69,32 @@ void set_deadline(request& r, std::chrono::duration<Rep, Period> timeout) {
   }
 }
 
-// Runs f() on the executor thread and waits for it. Refused on that thread itself (the executor
-// must progress the worker for the call to finish).
-template <class F>
-void on_executor(engine& e, const std::string& what, F f) {
+// Publishes `r`, a request of one member (a call, a connect or an accept), to the executor and
+// waits for it to end; throws std::system_error naming `what` with its error. Refused on the
+// executor thread itself (the executor must progress the worker for the request to end).
+inline void run_one(engine& e, std::unique_ptr<request> r, const std::string& what) {
   if (e.executor().on_executor_thread()) {
     throw std::system_error(make_error_code(errc::not_executor_safe), what);
   }
-  auto* r = new request;
-  r->kind = request_kind::call;
   r->eng = &e;
-  r->call = std::move(f);
   r->members.resize(1);
-  r->members[0].owner = r;
+  r->members[0].owner = r.get();
   r->members_left = 1;
   transfer t(ferry::detail::adopt, engine::attach(r->members[0]));
-  e.publish(r);
+  // A connect's endpoint stays alive until its wait has ended, whoever else lets it go.
+  const std::shared_ptr<endpoint_state> keep = r->endpoint;
+  e.publish(r.release());
   (void)t.wait();
   if (t.state() != transfer_state::success) throw std::system_error(t.error(), what);
+}
+
+// Runs f() on the executor thread and waits for it.
+template <class F>
+void on_executor(engine& e, const std::string& what, F f) {
+  auto r = std::make_unique<request>();
+  r->kind = request_kind::call;
+  r->call = std::move(f);
+  run_one(e, std::move(r), what);
 }
 
 }  // namespace detail
@@ -365,12 +373,8 @@ class worker {
   [[nodiscard]] endpoint connect(const std::string& host, std::uint16_t port,
                                  std::span<const memory_region> expose,
                                  std::chrono::duration<Rep, Period> timeout = std::chrono::seconds(10)) {
-    if (engine_->executor().on_executor_thread()) {
-      throw std::system_error(make_error_code(errc::not_executor_safe), "ferry::ucx::worker::connect");
-    }
     auto r = std::make_unique<detail::request>();
     r->kind = detail::request_kind::connect;
-    r->eng = engine_.get();
     r->endpoint = std::make_shared<detail::endpoint_state>();
     r->host = host;
     r->port = port;
@@ -378,17 +382,8 @@ class worker {
     std::shared_ptr<detail::endpoint_state> out;
     r->endpoint_out = &out;
     detail::set_deadline(*r, timeout);
-    r->members.resize(1);
-    r->members[0].owner = r.get();
-    r->members_left = 1;
-    transfer t(ferry::detail::adopt, detail::engine::attach(r->members[0]));
-    std::shared_ptr<detail::endpoint_state> keep = r->endpoint;
-    engine_->publish(r.release());
-    (void)t.wait();
-    if (t.state() != transfer_state::success) {
-      throw std::system_error(t.error(), "ferry::ucx::worker::connect to " + host + ":" +
-                                             std::to_string(port));
-    }
+    detail::run_one(*engine_, std::move(r),
+                    "ferry::ucx::worker::connect to " + host + ":" + std::to_string(port));
     return wrap(std::move(out));
   }
 
@@ -439,26 +434,13 @@ class listener {
   // The next peer that connected and told its regions; waits up to `timeout`.
   template <class Rep = std::int64_t, class Period = std::nano>
   [[nodiscard]] endpoint accept(std::chrono::duration<Rep, Period> timeout = std::chrono::seconds(10)) {
-    detail::engine& e = owner_->engine();
-    if (e.executor().on_executor_thread()) {
-      throw std::system_error(make_error_code(errc::not_executor_safe), "ferry::ucx::listener::accept");
-    }
     auto r = std::make_unique<detail::request>();
     r->kind = detail::request_kind::accept;
-    r->eng = &e;
     r->listener = state_;
     std::shared_ptr<detail::endpoint_state> out;
     r->endpoint_out = &out;
     detail::set_deadline(*r, timeout);
-    r->members.resize(1);
-    r->members[0].owner = r.get();
-    r->members_left = 1;
-    transfer t(ferry::detail::adopt, detail::engine::attach(r->members[0]));
-    e.publish(r.release());
-    (void)t.wait();
-    if (t.state() != transfer_state::success) {
-      throw std::system_error(t.error(), "ferry::ucx::listener::accept");
-    }
+    detail::run_one(owner_->engine(), std::move(r), "ferry::ucx::listener::accept");
     return owner_->wrap(std::move(out));
   }
 
