@@ -8,12 +8,14 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstring>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <ferry/ferry.hpp>
@@ -192,6 +194,57 @@ TEST_CASE("ucx: by host and port, each side learns the regions the other exposes
   REQUIRE(w.wait_for(hang_bound) == transfer_state::success);
   CHECK(v == 5);
   CHECK(s.wait_for(hang_bound) == transfer_state::success);
+}
+
+namespace {
+
+// On the executor thread (a coroutine resumed inline by `first`'s completion), the calls that wait
+// for the executor: each must refuse at once with not_executor_safe, naming itself, rather than
+// wait for progress that only this thread could make. Appends each refusal's message.
+ferry_test::detached_inline call_on_executor(ferry::transfer first, ucx::worker& w,
+                                             ucx::listener& own, std::uint16_t peer_port,
+                                             ucx::endpoint& ep,
+                                             const ucx::remote_region& r,
+                                             std::vector<std::string>& refused,
+                                             std::atomic<bool>& done) {
+  ferry::inline_scheduler here;
+  (void)co_await ferry::resume_on(here, first);
+  const auto note = [&](auto call) {
+    try {
+      call();
+    } catch (const std::system_error& e) {
+      if (e.code() == ucx::errc::not_executor_safe) refused.emplace_back(e.what());
+    }
+  };
+  note([&] { (void)w.connect("127.0.0.1", peer_port, {}, 1s); });
+  note([&] { (void)own.accept(1s); });
+  note([&] { (void)ep.import(r); });
+  done = true;
+}
+
+}  // namespace
+
+TEST_CASE("ucx: connect, accept and import refuse to run on the executor thread, naming the call",
+          "[ucx]") {
+  pair p("tcp");
+  auto own = p.a.worker.listen("127.0.0.1", 0, {});  // accept on the executor of its own worker
+  auto l = p.b.worker.listen("127.0.0.1", 0, {});
+  std::vector<std::string> refused;
+  std::atomic<bool> done{false};
+  call_on_executor(p.ab.put(p.local.slice(0, 64), p.remote.slice(0, 64), 10s), p.a.worker, own,
+                   l.port(), p.ab, p.target.describe(), refused, done);
+  REQUIRE(wait_until([&] { return done.load(); }));
+  CAPTURE(refused);
+  REQUIRE(refused.size() == 3);
+  CHECK_THAT(refused[0], Catch::Contains("ferry::ucx::worker::connect to 127.0.0.1:"));
+  CHECK_THAT(refused[1], Catch::Contains("ferry::ucx::listener::accept"));
+  CHECK_THAT(refused[2], Catch::Contains("ferry::ucx::endpoint::import"));
+  // Refused before anything was published: the worker still connects from another thread.
+  ucx::endpoint server_side;
+  std::thread accepter([&] { server_side = l.accept(20s); });
+  ucx::endpoint ep = p.a.worker.connect("127.0.0.1", l.port(), {}, 20s);
+  accepter.join();
+  CHECK(ep.peer_regions().empty());
 }
 
 TEST_CASE("ucx: a request's deadline force-closes its endpoint and ends every request on it",
