@@ -1,12 +1,19 @@
 #pragma once
-// Shared by the Asio adapter tests: an io_context run by a thread of its own.
+// Shared by the Asio adapter tests: an io_context run by a thread of its own, and a way to run an
+// asio coroutine on it.
 
+#include <asio/awaitable.hpp>
+#include <asio/co_spawn.hpp>
 #include <asio/executor_work_guard.hpp>
 #include <asio/io_context.hpp>
+#include <asio/use_future.hpp>
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <chrono>
+#include <future>
 #include <optional>
 #include <thread>
+#include <utility>
 
 #include "helpers.hpp"
 
@@ -38,5 +45,13 @@ class io_thread {
   std::atomic<std::thread::id> id_{};
   std::thread thread_;
 };
+
+// Runs `body` as an asio::awaitable on the io thread and waits for it (rethrowing what it threw).
+template <class Body>
+void run_awaitable(io_thread& io, Body body) {
+  std::future<void> done = asio::co_spawn(io.io(), std::move(body), asio::use_future);
+  REQUIRE(done.wait_for(hang_bound) == std::future_status::ready);
+  done.get();
+}
 
 }  // namespace ferry_test

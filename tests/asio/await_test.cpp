@@ -32,13 +32,6 @@ ferry::task<int> fails_after(ferry::transfer t) {
   throw std::runtime_error("decode step failed");
 }
 
-template <class Body>
-void run_awaitable(io_thread& io, Body body) {
-  std::future<void> done = asio::co_spawn(io.io(), std::move(body), asio::use_future);
-  REQUIRE(done.wait_for(hang_bound) == std::future_status::ready);
-  done.get();
-}
-
 }  // namespace
 
 TEST_CASE(

@@ -39,14 +39,6 @@ struct seen {
   transfer_state state = transfer_state::pending;
 };
 
-// Runs `body` as an asio::awaitable on the io thread and waits for it (rethrowing what it threw).
-template <class Body>
-void run_awaitable(io_thread& io, Body body) {
-  std::future<void> done = asio::co_spawn(io.io(), std::move(body), asio::use_future);
-  REQUIRE(done.wait_for(hang_bound) == std::future_status::ready);
-  done.get();
-}
-
 }  // namespace
 
 TEST_CASE(
