@@ -34,7 +34,6 @@
 #include <sstream>
 #include <string>
 #include <string_view>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -127,7 +126,8 @@ struct snapshot {
 // Per-peer series are kept for at most `max_peers` distinct peers (default 256): a server that sees
 // many short-lived peers (clients that come and go, each with a new address) would otherwise grow
 // its registry, and its exposition, without bound. Operations of peers beyond that are counted
-// under the peer `other_peer` ("other"); the kinds' totals count every operation either way.
+// under the peer `other_peer` ("other"), as are those of a peer whose own label is "other"; the
+// kinds' totals count every operation either way.
 class registry {
  public:
   static constexpr std::size_t default_max_peers = 256;
@@ -156,7 +156,12 @@ class registry {
     if (const auto it = index_.find(key); it != index_.end()) return *it->second;
     ops_.push_back(std::make_unique<op_metrics>(key.first, key.second));
     op_metrics& m = *ops_.back();
-    index_.emplace(key, &m);
+    try {
+      index_.emplace(key, &m);
+    } catch (...) {
+      ops_.pop_back();  // unindexed, a later lookup would make the same series twice
+      throw;
+    }
     return m;
   }
 
@@ -199,8 +204,8 @@ class registry {
 }
 
 // A backend's hook, for a backend whose completions all end on one thread (its executor): the
-// figures per operation kind, looked up once, and per peer, looked up in a map only that thread
-// touches. Detached (no registry), stamp() returns 0 and record() does nothing after one test.
+// figures per operation kind, looked up once, and per peer through a slot the peer's own state
+// keeps. Detached (no registry), stamp() returns 0 and record_cached() does nothing after one test.
 class backend_meter {
  public:
   static constexpr std::size_t max_kinds = 8;
@@ -222,32 +227,10 @@ class backend_meter {
   // When an operation was submitted; 0 when detached, which record() then ignores.
   [[nodiscard]] std::uint64_t stamp() const noexcept { return registry_ != nullptr ? now_ns() : 0; }
 
-  // An operation of kind `kind` stamped at `started_ns` ended; `peer_key` (0: none) is a stable
-  // identity of its peer and `peer_name` its label, asked for on the peer's first operation.
-  template <class PeerName>
-  void record(std::size_t kind, std::uint64_t started_ns, std::uint64_t bytes, bool succeeded,
-              std::uint64_t peer_key, PeerName&& peer_name) noexcept {
-    if (started_ns == 0 || kind >= max_kinds || kinds_[kind] == nullptr) return;
-    const std::uint64_t latency = now_ns() - started_ns;
-    kinds_[kind]->record(latency, bytes, succeeded);
-    if (peer_key == 0) return;
-    try {
-      auto& slot = peers_[peer_key];
-      if (slot[kind] == nullptr) slot[kind] = &registry_->operation(names_[kind], peer_name());
-      slot[kind]->record(latency, bytes, succeeded);
-    } catch (...) {
-      // Out of memory: the peer's figures miss this operation; the kind's have it.
-    }
-  }
-
-  void record(std::size_t kind, std::uint64_t started_ns, std::uint64_t bytes,
-              bool succeeded) noexcept {
-    record(kind, started_ns, bytes, succeeded, 0, [] { return std::string(); });
-  }
-
-  // Likewise, for a backend that keeps each peer's figures with the peer itself (a queue pair, a
-  // connection): `cache` is that peer's slot for `kind`, null until its first operation, and
-  // `peer` its label (empty: the operation counts only in the kind's figures). `ended_ns` is when
+  // An operation of kind `kind` stamped at `started_ns` ended. Each peer's figures are kept with
+  // the peer itself (a queue pair, a connection, an endpoint), so that they go with it: `cache` is
+  // that peer's slot for `kind`, null until its first operation, and `peer` its label (empty: the
+  // operation counts only in the kind's figures). `ended_ns` is when
   // it ended (0: now), for a backend that reads the clock once for many; an end before the start
   // (stamped before an operation published after it) counts as no time.
   void record_cached(std::size_t kind, std::uint64_t started_ns, std::uint64_t bytes,
@@ -272,7 +255,6 @@ class backend_meter {
   registry* registry_ = nullptr;
   std::array<const char*, max_kinds> names_{};
   std::array<op_metrics*, max_kinds> kinds_{};
-  std::unordered_map<std::uint64_t, std::array<op_metrics*, max_kinds>> peers_;
 };
 
 namespace detail {

@@ -196,6 +196,55 @@ TEST_CASE("ucx: by host and port, each side learns the regions the other exposes
   CHECK(s.wait_for(hang_bound) == transfer_state::success);
 }
 
+TEST_CASE("ucx: with a registry, puts and gets count per kind and per peer, each peer's series "
+          "kept apart",
+          "[ucx]") {
+  ferry::metrics::registry reg("ucx");
+  ucx::worker_options o = over("tcp");
+  o.metrics = &reg;
+  side a(o), b("tcp"), c("tcp");
+  std::vector<std::byte> local(4096), at_b(4096), at_c(4096);
+  auto local_mr = a.worker.register_memory(local);
+  auto b_mr = b.worker.register_memory(at_b);
+  auto c_mr = c.worker.register_memory(at_c);
+  ucx::endpoint ab = a.worker.connect(b.worker.address());
+  ucx::endpoint ba = b.worker.connect(a.worker.address());
+  ucx::endpoint ac = a.worker.connect(c.worker.address());
+  ucx::endpoint ca = c.worker.connect(a.worker.address());
+  const auto to_b = ab.import(ucx::remote_region::from_bytes(b_mr.describe().to_bytes()));
+  const auto to_c = ac.import(ucx::remote_region::from_bytes(c_mr.describe().to_bytes()));
+  std::vector<ferry::transfer> ts;
+  for (int i = 0; i < 3; ++i) ts.push_back(ab.put(local_mr.slice(0, 1024), to_b.slice(0, 1024), 10s));
+  for (int i = 0; i < 2; ++i) ts.push_back(ac.get(local_mr.slice(0, 512), to_c.slice(0, 512), 10s));
+  REQUIRE(ferry::wait_all(ts, hang_bound).verdict == ferry::verdict::success);
+  const ucx::remote_slice past{to_b.address + 4096, 64, to_b.index};
+  auto refused = ab.put(local_mr.slice(0, 64), past, 10s);
+  REQUIRE(refused.wait_for(hang_bound) == transfer_state::failed);
+
+  const auto snap = reg.snapshot();
+  const auto puts = find_series(snap, "put");
+  CHECK(puts.succeeded == 3);
+  CHECK(puts.failed == 1);
+  CHECK(puts.bytes == 3 * 1024);
+  CHECK(find_series(snap, "get").succeeded == 2);
+  std::vector<ferry::metrics::operation_snapshot> per_peer;
+  for (const auto& s : snap.operations) {
+    if (!s.peer.empty()) per_peer.push_back(s);
+  }
+  REQUIRE(per_peer.size() == 2);  // b's puts and c's gets, under two labels
+  const auto& b_puts = per_peer[0].kind == "put" ? per_peer[0] : per_peer[1];
+  const auto& c_gets = per_peer[0].kind == "put" ? per_peer[1] : per_peer[0];
+  CHECK(b_puts.kind == "put");
+  CHECK(c_gets.kind == "get");
+  CHECK(b_puts.peer.rfind("worker-", 0) == 0);
+  CHECK(c_gets.peer.rfind("worker-", 0) == 0);
+  CHECK(b_puts.peer != c_gets.peer);
+  CHECK(b_puts.succeeded == 3);
+  CHECK(b_puts.failed == 1);
+  CHECK(c_gets.succeeded == 2);
+  CHECK(c_gets.bytes == 2 * 512);
+}
+
 namespace {
 
 // On the executor thread (a coroutine resumed inline by `first`'s completion), the calls that wait

@@ -4,15 +4,18 @@
 
 #include <ucp/api/ucp.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <system_error>
 #include <vector>
 
+#include "ferry/metrics.hpp"
 #include "ferry/ucx/remote.hpp"
 
 namespace ferry::ucx::detail {
@@ -48,6 +51,10 @@ struct endpoint_state {
   std::size_t in_flight = 0;  // UCX requests out on this endpoint
   bool ping_out = false;      // a liveness ping not yet answered, sent at ping_sent
   std::chrono::steady_clock::time_point ping_sent{};
+  // With a metrics registry: the peer's label ("worker-<id>") and its series for put and get,
+  // made at its first recorded operation.
+  std::string metrics_peer;
+  std::array<metrics::op_metrics*, 2> peer_metrics{};
 
   // Why the endpoint can carry nothing more (empty while it can). Written once, on the executor.
   void fail(std::error_code ec) {

@@ -447,16 +447,34 @@ class engine {
     return status_error(s);
   }
 
+  // A put or get member ended: in the kind's figures, and in its peer's, which its endpoint keeps
+  // (so that a server whose peers come and go keeps no figures of endpoints it has closed).
+  void record(request& r, std::uint64_t bytes, bool succeeded) noexcept {
+    const auto kind = static_cast<std::size_t>(r.kind);  // put 0, get 1: meter_'s order
+    static_assert(static_cast<std::size_t>(request_kind::put) == 0 &&
+                  static_cast<std::size_t>(request_kind::get) == 1);
+    ferry::metrics::op_metrics* no_peer = nullptr;
+    endpoint_state* e = r.endpoint.get();
+    if (e == nullptr || e->peer.worker_id == 0 || kind >= e->peer_metrics.size()) {
+      return meter_.record_cached(kind, r.published_ns, bytes, succeeded, no_peer, {});
+    }
+    if (e->metrics_peer.empty()) {
+      try {
+        e->metrics_peer = "worker-" + std::to_string(e->peer.worker_id);
+      } catch (...) {
+        // Out of memory: this operation counts only in the kind's figures.
+      }
+    }
+    meter_.record_cached(kind, r.published_ns, bytes, succeeded, e->peer_metrics[kind],
+                         e->metrics_peer);
+  }
+
   void end_member(member& m) noexcept {
     request* r = m.owner;
     std::error_code ec = m.failure;
     if (!ec && peer_gone(*r)) ec = make_error_code(errc::peer_gone);
     ferry::detail::status_block* s = std::exchange(m.status, nullptr);
-    if (s != nullptr && r->published_ns != 0) {
-      const std::uint64_t peer = r->endpoint ? r->endpoint->peer.worker_id : 0;
-      meter_.record(static_cast<std::size_t>(r->kind), r->published_ns, m.length, !ec, peer,
-                    [peer] { return "worker-" + std::to_string(peer); });
-    }
+    if (s != nullptr && r->published_ns != 0) record(*r, m.length, !ec);
     if (s != nullptr) {
       s->complete(ec ? transfer_state::failed : transfer_state::success, ec);
       s->release_completer_ref();
