@@ -102,9 +102,11 @@ PY
       perf_row "ferry-perf_tcp_metrics_$m" $I "$perf" initiator --backend tcp --connect "$net.1:7410" \
         --op write --block-size "$size" --depth 4 --duration "$secs" $flag
     done
-    # ucx_perftest: put bandwidth over tcp, a window like ferry-perf's depth of 4.
+    # ucx_perftest: put bandwidth over tcp, with its own default window of outstanding puts (no -O).
+    # The server is bounded like the client, so a client that never reached it cannot hang the script.
     iters=$(( 2 * 1024 * 1024 * 1024 / size ))
-    UCX_TLS=tcp cpu_run "$work/ucx_server.cpu" $T ucx_perftest -p 7600 >/dev/null 2>&1 &
+    UCX_TLS=tcp cpu_run "$work/ucx_server.cpu" timeout $((secs * 10 + 30)) $T ucx_perftest -p 7600 \
+      >/dev/null 2>&1 &
     server=$!
     sleep 0.5
     UCX_TLS=tcp cpu_run "$work/ucx_client.cpu" timeout $((secs * 10 + 20)) $I ucx_perftest "$net.1" -p 7600 \

@@ -54,6 +54,18 @@ int run_args(std::vector<std::string> args) {
   return ferry_perf::run(static_cast<int>(args.size()), argv.data());
 }
 
+// Connects to 127.0.0.1:port and hangs up: a --once target still waiting for its initiator (one
+// that failed before it connected) takes that for its run, refuses it and ends.
+void hang_up_on(std::uint16_t port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (fd >= 0) (void)::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  if (fd >= 0) ::close(fd);
+}
+
 // One initiator run against a target serving one run (--once), each in its own thread.
 int one_run(const std::string& name, std::vector<std::string> initiator_args) {
   const std::uint16_t port = free_port();
@@ -70,6 +82,7 @@ int one_run(const std::string& name, std::vector<std::string> initiator_args) {
   std::printf("== %s\n", name.c_str());
   std::fflush(stdout);
   const int rc = run_args(args);
+  if (rc != 0) hang_up_on(port);  // ended at once if it never saw the initiator
   target.join();
   std::printf("== %s: initiator exit %d, target exit %d\n", name.c_str(), rc, target_rc);
   return rc != 0 ? rc : target_rc;
@@ -109,18 +122,22 @@ int main(int argc, char** argv) {
   if (rc == 0) {
     const std::uint16_t port = free_port();
     const std::string where = "127.0.0.1:" + std::to_string(port);
+    int target_rc = -1;
     std::thread target([&] {
-      (void)run_args({"ferry-perf", "target", "--backend", "verbs", "--listen", where, "--once", "--device",
-                      "no_such_adapter"});
+      target_rc = run_args({"ferry-perf", "target", "--backend", "verbs", "--listen", where, "--once",
+                            "--device", "no_such_adapter"});
     });
     for (int i = 0; i < 500 && !listening(port); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
     std::printf("== a target without its device\n");
     std::fflush(stdout);
     const int bad = run_args({"ferry-perf", "initiator", "--backend", "verbs", "--connect", where, "--duration",
                               "0.5", "--device", "fake_initiator"});
+    if (bad != 1) hang_up_on(port);
     target.join();
-    std::printf("== a target without its device: initiator exit %d (expected 1)\n", bad);
-    if (bad != 1) rc = 1;
+    // A --once target whose one run failed says so in its exit status.
+    std::printf("== a target without its device: initiator exit %d, target exit %d (expected 1 and 1)\n", bad,
+                target_rc);
+    if (bad != 1 || target_rc != 1) rc = 1;
   }
   return rc;
 }

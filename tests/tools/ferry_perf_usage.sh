@@ -41,6 +41,8 @@ bad initiator --connect 127.0.0.1:7000 --device
 bad initiator --connect 127.0.0.1:7000 --put-completion eventually
 bad initiator --connect 127.0.0.1:7000 --backend tcp --put-completion landed
 bad initiator --connect 127.0.0.1:7000 --backend ucx --device mlx5_0
+bad initiator --connect 127.0.0.1:7000 --backend ucx --op read --put-completion landed
+bad target --backend ucx --listen 127.0.0.1:7000 --put-completion landed
 bad file --path /tmp/x --gid-index 3
 bad target --backend verbs --listen localhost:7000
 bad target --backend tcp
@@ -72,4 +74,39 @@ else
   rm -f "$out.target"
   echo "ok: verbs without an adapter -> 1: $(grep 'no RDMA device' "$out" | head -n 1)"
 fi
+# A target refuses a run whose sizes would wrap when multiplied (4 x 2^62 bytes is 0 modulo 2^64),
+# naming the limit; a --once target whose one run was refused exits 1.
+port=$((20000 + ($$ + 7919) % 20000))
+"$perf" target --backend tcp --listen "127.0.0.1:$port" --once >"$out.target" 2>&1 &
+target=$!
+answer=$(python3 - "$port" <<'PY'
+import socket, sys, time
+for _ in range(200):
+    try:
+        s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=5)
+        break
+    except OSError:
+        time.sleep(0.05)
+else:
+    sys.exit("the target never listened")
+s.settimeout(10)
+s.sendall(b"hello backend=tcp op=write threads=1 slots=4611686018427387904 block=4 duration=1 timeout=1\n")
+print(s.makefile().readline().strip())
+PY
+)
+for _ in $(seq 100); do kill -0 "$target" 2>/dev/null || break; sleep 0.1; done
+if kill -0 "$target" 2>/dev/null; then
+  kill "$target"; echo "a --once target did not end after refusing its run"; cat "$out.target"; exit 1
+fi
+wait "$target"
+trc=$?
+if grep -q "built without it" "$out.target"; then
+  echo "ok: this ferry-perf was built without tcp (exit $trc)"
+elif [ "$trc" -ne 1 ] || [ "${answer#error the run asks for more memory}" = "$answer" ]; then
+  echo "a wrapping run: target exit $trc (expected 1), answer '$answer' (expected the memory refusal)"
+  cat "$out.target"; rm -f "$out.target"; exit 1
+else
+  echo "ok: a run of 2^62 slots of 4 B -> '$answer', target exit 1"
+fi
+rm -f "$out.target"
 echo "ferry-perf usage: ok"

@@ -29,7 +29,8 @@ The target serves initiators one run at a time on HOST:PORT (a control connectio
 over a second port the target picks and tells the initiator). The initiator measures and reports
 both sides, the target's CPU time included.
 
-options (initiator and file):
+options (initiator and file, except where marked; a target takes --executor, --timeout for its
+control exchanges, and for verbs --device and --gid-index):
   --op read|write            what each block does (default write). tcp: a write is a framed block
                              sent and acknowledged by the target; a read asks the target for one.
                              ucx: one-sided put (landed) or get. verbs: RDMA WRITE or READ.
@@ -51,10 +52,11 @@ options (initiator and file):
   --timeout S                deadline of every batch, connect and control exchange (default 5)
   --transport T              ucx: UCX's TLS setting (default tcp)
   --put-completion landed|source-reusable
-                             ucx writes: a put ends once its data is in the target's memory (the
-                             put and a flush, default), or once only its source may be reused
-  --device NAME              verbs (both sides): the RDMA device (default: the first one found)
-  --gid-index N              verbs (both sides): the source GID on RoCE (default 0)
+                             initiator, ucx writes: a put ends once its data is in the target's
+                             memory (the put and a flush, default), or once only its source may be
+                             reused
+  --device NAME              verbs, initiator and target: the RDMA device (default: the first one)
+  --gid-index N              verbs, initiator and target: the source GID on RoCE (default 0)
   --file-size S              file: bytes of the file the blocks are placed in (default 256M)
   --no-metrics               do not record ferry's metrics (metrics.hpp) in the backend
   --json FILE                every figure, the configuration and the metrics, as JSON
@@ -293,6 +295,12 @@ inline config parse(int argc, char** argv) {
   const std::string used = c.mode == "file" ? "file" : c.backend;
   if (c.put_completion_given && used != "ucx") {
     throw usage_error("--put-completion applies to --backend ucx, not " + used);
+  }
+  if (c.put_completion_given && c.mode != "initiator") {
+    throw usage_error("--put-completion is the initiator's: the target's memory takes the puts either way");
+  }
+  if (c.put_completion_given && c.op != "write") {
+    throw usage_error("--put-completion applies to --op write (puts), not " + c.op);
   }
   if ((c.device_given || c.gid_index_given) && used != "verbs") {
     throw usage_error(std::string(c.device_given ? "--device" : "--gid-index") +

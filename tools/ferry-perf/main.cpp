@@ -700,7 +700,8 @@ void serve_tcp(ferry::uring::tcp_connection& conn, std::size_t slots, std::size_
 }
 #endif
 
-void target_session(const config& c, control_socket& ctl, const std::string& host) {
+// One run served: false when it was refused or the initiator went away before saying it was done.
+bool target_session(const config& c, control_socket& ctl, const std::string& host) {
   const auto tmo = ms(c.timeout);
   std::string word;
   auto hello = parse_fields(ctl.read_line(tmo), word);
@@ -711,21 +712,26 @@ void target_session(const config& c, control_socket& ctl, const std::string& hos
   const std::size_t block = std::stoul(hello["block"]);
   const double duration = std::stod(hello["duration"]);
   const double run_timeout = std::stod(hello["timeout"]);
-  if (threads == 0 || threads > 64 || slots == 0 || block == 0 || threads * slots * block > (std::size_t{8} << 30)) {
+  // Each factor checked against what is left, so that no product of the initiator's numbers wraps.
+  constexpr std::size_t most_bytes = std::size_t{8} << 30;
+  if (threads == 0 || threads > 64 || slots == 0 || block == 0 || block > most_bytes ||
+      slots > most_bytes / block || threads > most_bytes / (slots * block)) {
     ctl.send_line("error the run asks for more memory than the target gives (8 GiB)", tmo);
-    return;
+    return false;
   }
   if (backend != c.backend) {
     ctl.send_line("error this target serves --backend " + c.backend + ", not " + backend, tmo);
-    return;
+    return false;
   }
   session_stats stats;
   const cpu_times before = rusage_of(RUSAGE_SELF);
   ferry::progress_executor exec(executor_of(c));
   // The initiator says "done" after its run, or goes away; both end the session.
+  bool initiator_done = false;
   auto wait_done = [&] {
     try {
       (void)ctl.read_line(ms(duration + 4 * run_timeout + 30));
+      initiator_done = true;
     } catch (const std::exception& e) {
       std::fprintf(stderr, "ferry-perf target: %s\n", e.what());
     }
@@ -795,8 +801,10 @@ void target_session(const config& c, control_socket& ctl, const std::string& hos
     }
 #endif
   }
+  return initiator_done;
 }
 
+// Serves runs until stopped; with --once, one run, and then the exit status says how it went.
 int run_target(const config& c) {
   std::string host;
   std::uint16_t port = 0;
@@ -807,8 +815,9 @@ int run_target(const config& c) {
     const int fd = accept_within(lfd, 1000ms);
     if (fd < 0) continue;
     control_socket ctl(fd);
+    bool served = false;
     try {
-      target_session(c, ctl, host);
+      served = target_session(c, ctl, host);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "ferry-perf target: run ended: %s\n", e.what());
       try {
@@ -816,10 +825,11 @@ int run_target(const config& c) {
       } catch (...) {
       }
     }
-    if (c.once) break;
+    if (c.once) {
+      ::close(lfd);
+      return served ? 0 : 1;
+    }
   }
-  ::close(lfd);
-  return 0;
 }
 
 std::string environment_json(const config& c) {
