@@ -77,7 +77,7 @@ struct write_block {
 struct ring_counters {
   std::uint64_t submitted = 0;    // SQEs handed to the kernel, resubmissions and cancels included
   std::uint64_t submit_calls = 0;  // io_uring_enter calls that handed over SQEs
-  std::uint64_t completed = 0;    // CQEs reaped
+  std::uint64_t completed = 0;    // CQEs reaped (counted before their transfers end)
   std::uint64_t resubmitted = 0;  // short reads and writes continued
   std::uint64_t backlogged = 0;   // operations that waited because the ring was full
 };

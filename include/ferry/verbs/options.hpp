@@ -52,7 +52,7 @@ struct queue_pair_options {
 struct device_counters {
   std::uint64_t work_requests_posted = 0;  // peer checks included
   std::uint64_t post_calls = 0;  // ibv_post_send calls: doorbells
-  std::uint64_t completions = 0;
+  std::uint64_t completions = 0;  // work completions reaped (counted before their transfers end)
   std::uint64_t async_events = 0;
   std::uint64_t flushes_overdue = 0;  // broken queue pairs the adapter did not flush in time
   std::uint64_t peer_checks = 0;      // zero-length WRITEs sent to check a peer is still there

@@ -222,6 +222,9 @@ class engine : public admission {
       // Give the entries back before completing anything: a completion may resume a coroutine
       // inline, which may submit more.
       ::io_uring_cq_advance(&ring_, n);
+      // Counted before any of them completes, so a caller that sees its transfer end (complete()
+      // publishes with release) reads a count that includes it.
+      completed_.fetch_add(n, std::memory_order_relaxed);
       for (unsigned i = 0; i < n; ++i) {
         if (taken[i].data == 0) {  // a cancel made by cancel_everything() (teardown.hpp)
           --cancels_in_flight_;
@@ -238,7 +241,6 @@ class engine : public admission {
       handled += n;
     }
     reaped_ns_ = 0;
-    if (handled != 0) completed_.fetch_add(handled, std::memory_order_relaxed);
     return handled;
   }
 

@@ -49,6 +49,9 @@ struct reaping {
         self().fail_device(errc::completion_queue_error);
         break;
       }
+      // Counted before any of them completes, so a caller that sees its transfer end (complete()
+      // publishes with release) reads a count that includes it.
+      if (n > 0) completions_.fetch_add(static_cast<std::uint64_t>(n), std::memory_order_relaxed);
       for (int i = 0; i < n; ++i) on_completion(wc[i]);
       // Closing queue pairs that may now go are destroyed only after the whole batch: a later
       // entry of it may still name one of them.
@@ -60,7 +63,6 @@ struct reaping {
       handled += static_cast<std::size_t>(n);
       if (n < want) break;
     }
-    if (handled != 0) completions_.fetch_add(handled, std::memory_order_relaxed);
     return handled;
   }
 
