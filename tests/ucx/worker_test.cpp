@@ -369,6 +369,12 @@ class child_target {
     }
   }
 
+  // Whether the child has not exited.
+  [[nodiscard]] bool running() {
+    int status = 0;
+    return pid_ > 0 && ::waitpid(pid_, &status, WNOHANG) == 0;
+  }
+
   std::vector<std::byte> address, region;
 
  private:
@@ -517,4 +523,80 @@ TEST_CASE("ucx: a live peer answers the liveness check for as long as a notifica
   REQUIRE(w.wait_for(hang_bound) == transfer_state::success);
   CHECK(v == 42);
   CHECK_FALSE(ab.error());
+}
+
+// Was: an endpoint's close force-closed it at once. Over tcp UCX emulates a put: the target copies
+// each put it reads and sends an acknowledgement back. Puts that ended source_reusable can still be
+// unread at the target when the initiator hangs up; the target's acknowledgement then fails, and
+// UCX 1.13 aborts the target process ("unexpected error: Endpoint timeout"). A close now flushes
+// the endpoint first (bounded by close_timeout), so the target has read every put before the
+// connection goes: here an initiator that closes and goes at once, by close() and by dropping its
+// last handle, leaves the target running.
+TEST_CASE("ucx: an initiator that closes right after source_reusable puts leaves the target running",
+          "[ucx][regression]") {
+  const bool by_close = GENERATE(true, false);
+  std::vector<std::byte> src(std::size_t{1} << 20, std::byte{7});
+  child_target child("tcp");  // forked before this process starts any thread
+  side home("tcp");           // the one the child connects back to
+  child.exchange(home.worker.address());
+  for (int round = 0; round < 4; ++round) {
+    side a("tcp");  // a new initiator each round, gone right after its puts
+    ucx::endpoint e = a.worker.connect(child.address);
+    const auto local = a.worker.register_memory(src);
+    const auto remote = e.import(ucx::remote_region::from_bytes(child.region));
+    std::vector<ucx::rma_block> blocks;  // 32 MiB, half the child's region
+    for (std::size_t i = 0; i < 32; ++i) {
+      blocks.push_back({local.slice(0, src.size()), remote.slice(i * src.size(), src.size())});
+    }
+    std::vector<ferry::transfer> ts(blocks.size());
+    e.put_batch(blocks, ts, 30s, ucx::put_completion::source_reusable);
+    REQUIRE(ferry::wait_all(ts, hang_bound).ok());
+    if (by_close) e.close();
+  }  // the endpoint's last handle, then the worker
+  // A target that aborted over an acknowledgement has exited well within this.
+  for (int i = 0; i < 40 && child.running(); ++i) std::this_thread::sleep_for(50ms);
+  CHECK(child.running());
+}
+
+TEST_CASE("ucx: a close lets the requests already out end as they would have, and refuses new ones",
+          "[ucx]") {
+  std::vector<std::byte> src(std::size_t{1} << 20, std::byte{9});
+  child_pair p("tcp", src);
+  auto& [child, a, ep, remote, local] = p;
+  const auto blocks = p.blocks(32);
+  std::vector<ferry::transfer> ts(blocks.size());
+  ep.put_batch(blocks, ts, 60s);  // landed: each ends once its data is in the child's memory
+  ep.close();
+  const auto r = ferry::drain(ts, hang_bound);
+  CHECK(r.pending == 0);
+  CHECK(r.verdict == ferry::verdict::success);
+  auto after = ep.put(local.slice(0, 64), remote.slice(0, 64), 10s);
+  REQUIRE(after.wait_for(hang_bound) == transfer_state::failed);
+  CHECK(after.error() == ucx::errc::endpoint_closed);
+  CHECK(child.running());
+}
+
+TEST_CASE("ucx: a close whose flush cannot end (a stopped peer) force-closes at close_timeout",
+          "[ucx]") {
+  std::vector<std::byte> src(std::size_t{1} << 20, std::byte{9});
+  ucx::worker_options o = over("tcp");
+  o.close_timeout = 300ms;
+  child_pair p(o, src);
+  auto& [child, a, ep, remote, local] = p;
+  auto first = ep.put(local.slice(0, 64), remote.slice(0, 64), 10s);
+  REQUIRE(first.wait_for(hang_bound) == transfer_state::success);
+  child.kill(SIGSTOP);
+  const auto blocks = p.blocks(32);
+  std::vector<ferry::transfer> ts(blocks.size());
+  ep.put_batch(blocks, ts, 120s);  // far past the hang bound: only the close can end them
+  const auto start = std::chrono::steady_clock::now();
+  ep.close();
+  CHECK(std::chrono::steady_clock::now() - start < hang_bound);
+  const auto r = ferry::drain(ts, hang_bound);
+  CHECK(r.pending == 0);
+  CHECK(r.verdict == ferry::verdict::failed);
+  for (const auto& t : ts) {
+    if (t.state() == transfer_state::failed) CHECK(t.error() == ucx::errc::endpoint_closed);
+  }
+  child.kill(SIGKILL);
 }

@@ -33,6 +33,11 @@ struct worker_options {
   // the wait fails with errc::peer_unresponsive. 0 turns the check off.
   std::chrono::milliseconds liveness_interval = std::chrono::seconds(1);
   std::chrono::milliseconds liveness_timeout = std::chrono::seconds(10);
+  // How long closing an endpoint (endpoint::close(), its last handle going, its worker going) waits
+  // for what is out on it to end and for the peer to have read what was sent, before it
+  // force-closes it. 0: force-close at once (UCX 1.13 may then abort a tcp peer that still had
+  // puts to acknowledge: docs/ucx.md).
+  std::chrono::milliseconds close_timeout = std::chrono::seconds(5);
   // Any other UCX setting, by its name without the UCX_ prefix ("RNDV_THRESH", "8k").
   std::vector<std::pair<std::string, std::string>> settings;
   // Where the worker records each get and put that ends, per kind and per peer (metrics.hpp); it

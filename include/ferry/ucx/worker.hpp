@@ -15,6 +15,7 @@
 #include <stdexcept>
 #include <string>
 #include <system_error>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -194,7 +195,11 @@ class endpoint {
     return t;
   }
 
-  // Force-closes the endpoint: every request out on it fails with errc::endpoint_closed.
+  // Closes the endpoint: requests made from now on fail with errc::endpoint_closed. Those already
+  // out get until worker_options::close_timeout to end (UCX flushes the endpoint, so the peer has
+  // read everything sent on it before the connection goes); then it is force-closed, and any still
+  // out fail with errc::endpoint_closed. Returns once it is closed (at once on the executor's
+  // thread). The last handle going closes it the same way, without waiting.
   void close() {
     if (!state_) return;
     transfer t;
@@ -307,15 +312,25 @@ class worker {
   worker& operator=(const worker&) = delete;
 
   // Every endpoint and listener of this worker must be gone; requests still queued fail with
-  // errc::worker_closed. Memory regions may outlive it (they keep the context).
+  // errc::worker_closed. Endpoints whose last handle went are given until their close_timeout to
+  // flush (endpoint::close()), then force-closed. Memory regions may outlive it (they keep the
+  // context).
   ~worker() {
     // The liveness timer is the executor's: disarmed on its thread, where it fires.
     if (!engine_->executor().on_executor_thread()) {
       try {
+        // Also: every close published before this call has started by the time it returns.
         detail::on_executor(*engine_, "ferry::ucx::worker: stopping the liveness check", [this] {
           engine_->stop_liveness();
           return std::error_code{};
         });
+        // Each close ends by its own deadline (the executor force-closes it then); the margin is
+        // for an executor held off the CPU. Whatever is left, ~engine force-closes.
+        const auto until =
+            std::chrono::steady_clock::now() + engine_->close_timeout() + std::chrono::seconds(1);
+        while (engine_->closing() != 0 && std::chrono::steady_clock::now() < until) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
       } catch (...) {
         // No memory for the request: ~engine cancels the timer, after the executor let go.
       }

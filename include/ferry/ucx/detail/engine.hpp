@@ -36,6 +36,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -182,6 +183,7 @@ class engine {
       meter_.attach(options.metrics, {"put", "get"});  // request_kind's order
       liveness_interval_ = options.liveness_interval;
       liveness_timeout_ = options.liveness_timeout;
+      close_timeout_ = options.close_timeout;
       for (auto [header, kind] : {std::pair{&ping_header_, am_kind::ping},
                                   std::pair{&pong_header_, am_kind::pong}}) {
         am_header h;
@@ -270,9 +272,7 @@ class engine {
       case request_kind::wait_notification: return start_wait(r);
       case request_kind::connect: return start_connect(r);
       case request_kind::accept: return start_accept(r);
-      case request_kind::close:
-        if (r->endpoint) close_endpoint(*r->endpoint, make_error_code(errc::endpoint_closed));
-        return finish_all(r, {});
+      case request_kind::close: return start_close(r);
       case request_kind::call: {
         std::error_code ec;
         try {
@@ -417,6 +417,7 @@ class engine {
   void flush_ended(request* r, ucs_status_t s) noexcept {
     r->flushes = 0;
     if (r->kind == request_kind::notify) return notify_flushed(r, s);
+    if (r->kind == request_kind::close) return close_flushed(r);
     // Each member the flush ends gets one step; only the step of the last one can free the
     // request, and nothing touches it after that one.
     std::size_t to_step = 0;
@@ -536,6 +537,50 @@ class engine {
     if (e) self.close_endpoint(*e, make_error_code(errc::endpoint_closed));
   }
 
+  // ---- closing an endpoint
+  // A close (endpoint::close(), or its last handle going) refuses new requests at once, then
+  // flushes the endpoint: the requests already out end as they would have, and the peer has read
+  // everything sent on it before the connection goes. Over tcp UCX emulates a put: the peer copies
+  // it and sends an acknowledgement back, and UCX 1.13 aborts the peer's process when that
+  // acknowledgement finds the connection gone (puts that ended source_reusable may not even have
+  // been read yet). The flush is bounded by close_timeout; then, or once the flush has ended, the
+  // endpoint is force-closed.
+  void start_close(request* r) noexcept {
+    const std::shared_ptr<endpoint_state>& e = r->endpoint;
+    if (!e || e->ep == nullptr) {
+      if (e) close_endpoint(*e, make_error_code(errc::endpoint_closed));
+      return finish_all(r, {});
+    }
+    if (e->closing) {
+      // Already flushing for an earlier close: this one ends with it.
+      try {
+        e->close_waiters.push_back(r);
+        return;
+      } catch (...) {
+        // No memory to wait: close now.
+        close_endpoint(*e, make_error_code(errc::endpoint_closed));
+        return finish_all(r, {});
+      }
+    }
+    if (close_timeout_.count() <= 0) {  // the user asked for force-closes
+      close_endpoint(*e, make_error_code(errc::endpoint_closed));
+      return finish_all(r, {});
+    }
+    e->fail(make_error_code(errc::endpoint_closed));
+    e->closing = true;
+    closing_.fetch_add(1, std::memory_order_relaxed);
+    r->has_deadline = true;
+    r->deadline = ferry::detail::clock::now() + close_timeout_;
+    arm_deadline(r);  // past it, on_deadline force-closes the endpoint, which ends the flush
+    start_flush(r);
+  }
+
+  // The flush of a close ended (done, failed, or cancelled by a force close).
+  void close_flushed(request* r) noexcept {
+    close_endpoint(*r->endpoint, make_error_code(errc::endpoint_closed));
+    finish_all(r, {});
+  }
+
   // ---- notifications
   void start_notify(request* r) noexcept {
     if (const std::error_code ec = check_endpoint(r)) return refuse(r, ec);
@@ -586,6 +631,12 @@ class engine {
 
   // ---- liveness of peers that notification waits wait on
  public:
+  // Endpoints whose close is still flushing (any thread), and how long a close may flush.
+  [[nodiscard]] std::size_t closing() const noexcept {
+    return closing_.load(std::memory_order_relaxed);
+  }
+  [[nodiscard]] std::chrono::milliseconds close_timeout() const noexcept { return close_timeout_; }
+
   // On the executor thread, before the engine goes: the timer may then neither fire nor be armed.
   void stop_liveness() noexcept {
     liveness_interval_ = std::chrono::milliseconds(0);
@@ -840,6 +891,10 @@ class engine {
   // fails. Idempotent.
   void close_endpoint(endpoint_state& e, std::error_code why) noexcept {
     e.fail(why);
+    if (e.closing) {
+      e.closing = false;
+      closing_.fetch_sub(1, std::memory_order_relaxed);
+    }
     if (e.ep != nullptr) {
       for (imported_region& ir : e.regions) {
         if (ir.rkey != nullptr) ::ucp_rkey_destroy(ir.rkey);
@@ -861,6 +916,7 @@ class engine {
       e.notification_waiters.pop_front();
       finish_all(r, why);
     }
+    for (request* r : std::exchange(e.close_waiters, {})) finish_all(r, {});
     if (request* r = std::exchange(e.connect_waiter, nullptr)) {
       finish_all(r, r->deadline_passed ? make_error_code(errc::deadline_exceeded) : why);
     }
@@ -1068,6 +1124,9 @@ class engine {
   std::unordered_map<std::uint64_t, std::vector<std::uint64_t>> early_notifications_;
   std::chrono::milliseconds liveness_interval_{};
   std::chrono::milliseconds liveness_timeout_{};
+  std::chrono::milliseconds close_timeout_{};
+  // Endpoints whose close is flushing: written on the executor, read by ~worker.
+  std::atomic<std::size_t> closing_{0};
   struct flag_timer : ferry::detail::timer_node {
     bool fired = false;  // executor thread only
   };
