@@ -19,6 +19,16 @@ namespace {
 struct py_worker {
   std::shared_ptr<progress_executor> exec;
   std::unique_ptr<ucx::worker> worker;
+  // ~worker may wait up to close_timeout for its endpoints' closes: not holding the GIL.
+  ~py_worker() {
+    if (!worker) return;
+    if (PyGILState_Check() != 0) {
+      py::gil_scoped_release released;
+      worker.reset();
+    } else {
+      worker.reset();
+    }
+  }
 };
 
 // A registered or UCX-allocated region. For registered memory, the buffer is held as long as the
@@ -236,7 +246,8 @@ void add_ucx(py::module_& parent) {
              py::gil_scoped_release released;
              e.endpoint.close();
            },
-           "Force-closes the endpoint: every request out on it fails with Errc.endpoint_closed.");
+           "Closes the endpoint: later requests fail with Errc.endpoint_closed; those already out "
+           "get until the worker's close_timeout (default 5 s) to end, then are failed with it.");
 
   py::class_<py_listener, std::shared_ptr<py_listener>>(m, "Listener")
       .def_property_readonly("port", [](const py_listener& l) { return l.listener->port(); })
@@ -258,7 +269,7 @@ void add_ucx(py::module_& parent) {
       m, "Worker", "A UCX context and worker, progressed by the executor alone.")
       .def(py::init([](std::shared_ptr<progress_executor> exec, const std::string& transports,
                        const std::string& devices, bool peer_error_handling, py::handle keepalive,
-                       py::handle settings) {
+                       py::handle settings, py::handle close_timeout) {
              ucx::worker_options o;
              o.transports = transports;
              o.devices = devices;
@@ -266,6 +277,10 @@ void add_ucx(py::module_& parent) {
              if (!keepalive.is_none()) {
                o.keepalive = std::chrono::duration_cast<std::chrono::milliseconds>(
                    duration_arg(keepalive, "keepalive"));
+             }
+             if (!close_timeout.is_none()) {
+               o.close_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
+                   duration_arg(close_timeout, "close_timeout"));
              }
              if (!settings.is_none()) {
                for (auto item : py::reinterpret_borrow<py::dict>(settings)) {
@@ -282,7 +297,7 @@ void add_ucx(py::module_& parent) {
            }),
            py::arg("executor"), py::arg("transports") = "tcp,shm", py::arg("devices") = "",
            py::arg("peer_error_handling") = true, py::arg("keepalive") = py::none(),
-           py::arg("settings") = py::none())
+           py::arg("settings") = py::none(), py::arg("close_timeout") = py::none())
       .def("address",
            [](const py_worker& w) {
              const std::vector<std::byte> a = w.worker->address();

@@ -45,6 +45,21 @@ def test_get_and_put_between_two_workers_by_address_and_descriptor_bytes():
     del ab
 
 
+def test_close_lets_puts_out_end_and_refuses_later_ones_and_close_timeout_is_checked():
+    a, b = ucx.Worker(ferry.Executor(), transports="tcp", close_timeout=2.0), worker()
+    ab = a.connect(b.address())
+    target_memory = bytearray(BLOCK_BYTES)
+    remote = ab.import_region(b.register_memory(target_memory).describe())
+    local = a.register_memory(bytearray(pattern(5)))
+    put = ab.put(local.whole(), remote.slice(0, BLOCK_BYTES), HANG)
+    ab.close()
+    assert put.wait(HANG) == State.success and target_memory == pattern(5)
+    after = ab.put(local.whole(), remote.slice(0, BLOCK_BYTES), HANG)
+    assert after.wait(HANG) == State.failed and after.error == ucx.Errc.endpoint_closed
+    with pytest.raises(ValueError, match="close_timeout"):
+        ucx.Worker(ferry.Executor(), transports="tcp", close_timeout=-1.0)
+
+
 def test_a_transfer_keeps_its_region_and_buffer_alive():
     a, b = worker(), worker()
     ab = a.connect(b.address())

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -599,4 +600,48 @@ TEST_CASE("ucx: a close whose flush cannot end (a stopped peer) force-closes at 
     if (t.state() == transfer_state::failed) CHECK(t.error() == ucx::errc::endpoint_closed);
   }
   child.kill(SIGKILL);
+}
+
+// Was: a request's deadline force-closed its endpoint from inside the timer round, and UCX then
+// freed the endpoint's other requests, whose timers had fired in the same round and were still to
+// be called (a use after free; ASan saw it). The close now waits for the executor's next poll().
+TEST_CASE("ucx: deadlines of several requests on one endpoint passing in one timer round end each "
+          "request once", "[ucx][regression]") {
+  std::vector<std::byte> src(std::size_t{1} << 20, std::byte{9});
+  child_pair p("tcp", src);
+  auto& [child, a, ep, remote, local] = p;
+  auto first = ep.put(local.slice(0, 64), remote.slice(0, 64), 10s);
+  REQUIRE(first.wait_for(hang_bound) == transfer_state::success);
+  child.kill(SIGSTOP);  // nothing it is sent ends
+  const auto blocks = p.blocks(16);
+  std::vector<ferry::transfer> x(blocks.size()), y(blocks.size()), z(blocks.size());
+  ep.put_batch(blocks, x, 200ms);
+  ep.put_batch(blocks, y, 200ms);
+  ep.get_batch(blocks, z, 200ms);
+  // Hold the executor past the three deadlines, so that their timers fire in one round.
+  ucx::detail::on_executor(a.worker.engine(), "holding the executor", [] {
+    std::this_thread::sleep_for(400ms);
+    return std::error_code{};
+  });
+  for (auto* ts : {&x, &y, &z}) {
+    const auto r = ferry::drain(*ts, hang_bound);
+    CHECK(r.pending == 0);
+    CHECK(r.verdict == ferry::verdict::failed);
+  }
+  CHECK(ep.error() == ucx::errc::endpoint_closed);
+  child.kill(SIGKILL);
+}
+
+TEST_CASE("ucx: a close_timeout below 0 or above an hour is refused, naming it", "[ucx]") {
+  ferry::progress_executor exec;
+  for (const auto bad : {std::chrono::milliseconds(-1), std::chrono::milliseconds(std::chrono::hours(2))}) {
+    ucx::worker_options o = over("tcp");
+    o.close_timeout = bad;
+    try {
+      ucx::worker w(exec, o);
+      FAIL("a close_timeout of " << bad.count() << " ms was accepted");
+    } catch (const std::invalid_argument& e) {
+      CHECK(std::string(e.what()).find("close_timeout") != std::string::npos);
+    }
+  }
 }

@@ -50,6 +50,7 @@ struct endpoint_state {
   std::deque<request*> notification_waiters;
   std::size_t in_flight = 0;  // UCX requests out on this endpoint
   bool closing = false;                 // a close is flushing it (engine::start_close)
+  bool close_due = false;               // a request's deadline passed: poll() force-closes it
   std::vector<request*> close_waiters;  // later closes, which end with that one
   bool ping_out = false;      // a liveness ping not yet answered, sent at ping_sent
   std::chrono::steady_clock::time_point ping_sent{};

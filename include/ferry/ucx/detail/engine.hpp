@@ -43,6 +43,7 @@
 #include <fstream>
 #include <memory>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <system_error>
 #include <unordered_map>
@@ -183,6 +184,10 @@ class engine {
       meter_.attach(options.metrics, {"put", "get"});  // request_kind's order
       liveness_interval_ = options.liveness_interval;
       liveness_timeout_ = options.liveness_timeout;
+      if (options.close_timeout.count() < 0 || options.close_timeout > std::chrono::hours(1)) {
+        throw std::invalid_argument(
+            "ferry::ucx::worker_options::close_timeout must be between 0 and 1 h");
+      }
       close_timeout_ = options.close_timeout;
       for (auto [header, kind] : {std::pair{&ping_header_, am_kind::ping},
                                   std::pair{&pong_header_, am_kind::pong}}) {
@@ -202,6 +207,7 @@ class engine {
 
   // After the executor has let go of the worker (remove_source): nothing else runs on it.
   ~engine() {
+    (void)run_deferred();
     incoming_.take([this](request* r) { refuse(r, make_error_code(errc::worker_closed)); });
     for (const auto& e : std::vector<std::shared_ptr<endpoint_state>>(endpoints_)) {
       close_endpoint(*e, make_error_code(errc::worker_closed));
@@ -210,6 +216,7 @@ class engine {
     for (const auto& l : std::vector<std::shared_ptr<listener_state>>(listeners_)) {
       close_listener(*l);
     }
+    (void)run_deferred();  // closes whose flushes the force-closes above cancelled
     if (liveness_armed_) (void)exec_.timers().cancel(liveness_timer_);
     ::ucp_worker_destroy(worker_);
   }
@@ -227,7 +234,8 @@ class engine {
 
   // The executor's calls (completion_source.hpp).
   std::size_t poll(std::size_t budget) noexcept {
-    std::size_t n = incoming_.take([this](request* r) { arrive(r); });
+    std::size_t n = run_deferred();
+    n += incoming_.take([this](request* r) { arrive(r); });
     while (n < budget) {
       const unsigned events = ::ucp_worker_progress(worker_);
       if (events == 0) break;
@@ -240,11 +248,14 @@ class engine {
       check_liveness();
       ++n;
     }
-    return n;
+    return n + run_deferred();
   }
   [[nodiscard]] int park_fd() const noexcept { return efd_; }
   // UCS_ERR_BUSY: events are waiting, progress instead of sleeping.
-  bool arm() noexcept { return incoming_.empty() && ::ucp_worker_arm(worker_) == UCS_OK; }
+  bool arm() noexcept {
+    return incoming_.empty() && closes_due_ == 0 && closes_flushed_ == nullptr &&
+           ::ucp_worker_arm(worker_) == UCS_OK;
+  }
   [[nodiscard]] bool in_flight() const noexcept { return in_flight_ != 0; }
 
   static ferry::detail::status_block* attach(member& m) {
@@ -532,9 +543,43 @@ class engine {
         break;
     }
     // The request is out in UCX: force-closing its endpoint makes UCX call back every request on
-    // it now, this one included (which may free it: nothing touches `r` after).
-    std::shared_ptr<endpoint_state> e = r->endpoint;
-    if (e) self.close_endpoint(*e, make_error_code(errc::endpoint_closed));
+    // it, this one included. Not here: that would free requests whose timers fired in the same
+    // round and are still to be called (timer_service::fire_expired), and a close is not made
+    // from inside a callback. The executor's next poll() closes it, before it progresses UCX, so
+    // nothing ends `r` before then.
+    if (r->endpoint && !r->endpoint->close_due) {
+      r->endpoint->close_due = true;
+      ++self.closes_due_;
+    }
+  }
+
+  // Work put off to the top or the end of poll(), outside UCX's callbacks and timer rounds:
+  // endpoints whose requests' deadlines passed are force-closed, and closes whose flushes ended
+  // go on. Returns how much it did.
+  std::size_t run_deferred() noexcept {
+    std::size_t n = 0;
+    while (closes_due_ != 0 || closes_flushed_ != nullptr) {
+      if (closes_due_ != 0) {
+        closes_due_ = 0;
+        // close_endpoint takes each off endpoints_.
+        for (std::size_t i = 0; i < endpoints_.size();) {
+          if (!endpoints_[i]->close_due) {
+            ++i;
+            continue;
+          }
+          const std::shared_ptr<endpoint_state> e = endpoints_[i];
+          close_endpoint(*e, make_error_code(errc::endpoint_closed));
+          ++n;
+        }
+      }
+      while (request* r = closes_flushed_) {
+        closes_flushed_ = r->next;
+        r->next = nullptr;
+        close_go_on(r);
+        ++n;
+      }
+    }
+    return n;
   }
 
   // ---- closing an endpoint
@@ -562,7 +607,9 @@ class engine {
         return finish_all(r, {});
       }
     }
-    if (close_timeout_.count() <= 0) {  // the user asked for force-closes
+    // close_timeout 0: the user asked for force-closes. Without peer error handling UCX refuses
+    // to force-close an endpoint, so a flush to a stopped peer could not be bounded: close at once.
+    if (close_timeout_.count() <= 0 || !peer_errors_) {
       close_endpoint(*e, make_error_code(errc::endpoint_closed));
       return finish_all(r, {});
     }
@@ -575,9 +622,25 @@ class engine {
     start_flush(r);
   }
 
-  // The flush of a close ended (done, failed, or cancelled by a force close).
+  // The flush of a close ended (done, failed, or cancelled by a force close), often inside a UCX
+  // callback, where UCX must not be asked to close the endpoint: run_deferred() goes on with it.
   void close_flushed(request* r) noexcept {
-    close_endpoint(*r->endpoint, make_error_code(errc::endpoint_closed));
+    r->next = closes_flushed_;
+    closes_flushed_ = r;
+  }
+
+  // A close's flush ended. Requests made before the close may still be out: a notification's
+  // active message goes out only after its own flush, so the close's flush may end first. While
+  // any is out, and the close's deadline has not passed, it flushes again; then it force-closes
+  // what is left (nothing, unless the deadline passed) and ends.
+  void close_go_on(request* r) noexcept {
+    endpoint_state& e = *r->endpoint;
+    if (e.ep != nullptr && e.in_flight != 0 && !r->deadline_passed && r->value < 64) {
+      ++r->value;  // flushes so far: a bound, should UCX end a flush with requests still out
+      return start_flush(r);
+    }
+    close_endpoint(e, make_error_code(errc::endpoint_closed));
+    closing_.fetch_sub(1, std::memory_order_relaxed);
     finish_all(r, {});
   }
 
@@ -891,10 +954,7 @@ class engine {
   // fails. Idempotent.
   void close_endpoint(endpoint_state& e, std::error_code why) noexcept {
     e.fail(why);
-    if (e.closing) {
-      e.closing = false;
-      closing_.fetch_sub(1, std::memory_order_relaxed);
-    }
+    e.closing = false;  // closing_ counts the close request until it ends (close_go_on)
     if (e.ep != nullptr) {
       for (imported_region& ir : e.regions) {
         if (ir.rkey != nullptr) ::ucp_rkey_destroy(ir.rkey);
@@ -1125,8 +1185,10 @@ class engine {
   std::chrono::milliseconds liveness_interval_{};
   std::chrono::milliseconds liveness_timeout_{};
   std::chrono::milliseconds close_timeout_{};
-  // Endpoints whose close is flushing: written on the executor, read by ~worker.
+  // Close requests flushing their endpoints: written on the executor, read by ~worker.
   std::atomic<std::size_t> closing_{0};
+  std::size_t closes_due_ = 0;         // endpoints marked close_due by a request's deadline
+  request* closes_flushed_ = nullptr;  // closes whose flush ended, linked through next
   struct flag_timer : ferry::detail::timer_node {
     bool fired = false;  // executor thread only
   };

@@ -32,7 +32,7 @@ enum class request_kind : std::uint8_t {
   wait_notification,  // the next notification the peer sends
   connect,            // by host and port: create the endpoint, exchange hellos
   accept,             // the next endpoint a listener has finished the exchange with
-  close,              // force-close an endpoint (from its last handle, or close())
+  close,              // flush, then close an endpoint (from its last handle, or close())
   call,               // run a function on the executor thread (creating objects)
 };
 
@@ -73,7 +73,7 @@ struct request {
   std::uint64_t published_ns = 0;  // a get or put, on a worker that records metrics
   request_timer timer;
   int flushes = 0;  // the flush that ends a landed put batch or comes before a notification
-  std::uint64_t value = 0;
+  std::uint64_t value = 0;  // notify: the value; close: flushes so far
   std::uint64_t* value_out = nullptr;
   std::function<std::error_code()> call;
   std::shared_ptr<endpoint_state>* endpoint_out = nullptr;  // accept, connect
