@@ -49,6 +49,7 @@ struct endpoint_state {
   std::deque<std::uint64_t> notifications;
   std::deque<request*> notification_waiters;
   std::size_t in_flight = 0;  // UCX requests out on this endpoint
+  std::uint64_t sends = 0;    // puts, gets and notification messages handed to UCX
   bool closing = false;                 // a close is flushing it (engine::start_close)
   bool close_due = false;               // a request's deadline passed: poll() force-closes it
   std::vector<request*> close_waiters;  // later closes, which end with that one

@@ -385,6 +385,7 @@ class engine {
 
   // The outcome of an nbx call: done now (null), failed now, or a request whose callback follows.
   void track(endpoint_state& e, ucs_status_ptr_t sp, member& m) noexcept {
+    ++e.sends;  // done locally or not: a close's flush must come after it (close_go_on)
     if (sp == nullptr) return member_step(m, UCS_OK);
     if (UCS_PTR_IS_ERR(sp)) return member_step(m, UCS_PTR_STATUS(sp));
     ++e.in_flight;
@@ -619,6 +620,7 @@ class engine {
     r->has_deadline = true;
     r->deadline = ferry::detail::clock::now() + close_timeout_;
     arm_deadline(r);  // past it, on_deadline force-closes the endpoint, which ends the flush
+    r->sends_at_flush = e->sends;
     start_flush(r);
   }
 
@@ -635,8 +637,12 @@ class engine {
   // what is left (nothing, unless the deadline passed) and ends.
   void close_go_on(request* r) noexcept {
     endpoint_state& e = *r->endpoint;
-    if (e.ep != nullptr && e.in_flight != 0 && !r->deadline_passed && r->value < 64) {
+    // A send made since the flush was posted (a notification's message, sent once its own flush
+    // ended, done locally at once) may still be in UCX's buffers: it needs a flush of its own.
+    if (e.ep != nullptr && (e.in_flight != 0 || e.sends != r->sends_at_flush) &&
+        !r->deadline_passed && r->value < 64) {
       ++r->value;  // flushes so far: a bound, should UCX end a flush with requests still out
+      r->sends_at_flush = e.sends;
       return start_flush(r);
     }
     close_endpoint(e, make_error_code(errc::endpoint_closed));
@@ -956,19 +962,26 @@ class engine {
     e.fail(why);
     e.closing = false;  // closing_ counts the close request until it ends (close_go_on)
     if (e.ep != nullptr) {
-      for (imported_region& ir : e.regions) {
-        if (ir.rkey != nullptr) ::ucp_rkey_destroy(ir.rkey);
-        ir.rkey = nullptr;
+      // Without peer error handling UCX refuses a force-close: the endpoint is closed after a
+      // flush instead, and its requests end when UCX ends them (a deadline cannot cut them short).
+      // Their keys stay until then: kept (a small leak) while any is out.
+      if (peer_errors_ || e.in_flight == 0) {
+        for (imported_region& ir : e.regions) {
+          if (ir.rkey != nullptr) ::ucp_rkey_destroy(ir.rkey);
+          ir.rkey = nullptr;
+        }
       }
       ucp_ep_h ep = std::exchange(e.ep, nullptr);
       ucp_request_param_t p{};
       p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      p.flags = peer_errors_ ? UCP_EP_CLOSE_FLAG_FORCE : 0;
       const ucs_status_ptr_t sp = ::ucp_ep_close_nbx(ep, &p);
       if (sp != nullptr && !UCS_PTR_IS_ERR(sp)) {
-        // Not seen with FORCE in UCX 1.13; progress until it ends rather than leak it.
-        while (::ucp_request_check_status(sp) == UCS_INPROGRESS) ::ucp_worker_progress(worker_);
-        ::ucp_request_free(sp);
+        if (peer_errors_) {
+          // Not seen with FORCE in UCX 1.13; progress until it ends rather than leak it.
+          while (::ucp_request_check_status(sp) == UCS_INPROGRESS) ::ucp_worker_progress(worker_);
+        }
+        ::ucp_request_free(sp);  // a flushing close: UCX releases it when it ends
       }
     }
     while (!e.notification_waiters.empty()) {

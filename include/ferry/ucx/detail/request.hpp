@@ -74,6 +74,7 @@ struct request {
   request_timer timer;
   int flushes = 0;  // the flush that ends a landed put batch or comes before a notification
   std::uint64_t value = 0;  // notify: the value; close: flushes so far
+  std::uint64_t sends_at_flush = 0;  // close: the endpoint's sends when its last flush was posted
   std::uint64_t* value_out = nullptr;
   std::function<std::error_code()> call;
   std::shared_ptr<endpoint_state>* endpoint_out = nullptr;  // accept, connect
