@@ -36,7 +36,11 @@ ip -n "$ns_a" link set "$dev_a" up
 wait "$init_pid"
 rc=$?
 cat "$work/down.log" | sort | uniq -c | sort -rn | head -20
-[ "$rc" = 0 ] || { echo "FAILED: the initiator exited $rc (pending or not byte-exact)"; exit 1; }
+if [ "$rc" != 0 ]; then
+  echo "FAILED: the initiator exited $rc (pending or not byte-exact); its backtrace, if any:"
+  grep -A24 '==== backtrace' "$work/down.log"
+  exit 1
+fi
 [ "$(count "$work/down.log" verified)" -ge 1 ] || { echo "FAILED: nothing verified"; exit 1; }
 [ "$(count "$work/down.log" failed)" -ge 1 ] || {
   echo "FAILED: no request failed while the link was down"; exit 1; }
