@@ -350,7 +350,13 @@ class engine {
     for (std::size_t i = 0; i < total && !refused_all; ++i) {
       member& m = r->members[i];
       std::error_code ec;
-      ucp_rkey_h rkey = rkey_for(e, m.remote_index, ec);
+      // UCX may fail the endpoint inside an earlier member's call (its error handler, which
+      // closes it): the rest are not handed to a closed endpoint.
+      if (e.ep == nullptr) {
+        ec = e.failure();
+        if (!ec) ec = make_error_code(errc::endpoint_closed);
+      }
+      ucp_rkey_h rkey = ec ? nullptr : rkey_for(e, m.remote_index, ec);
       if (!ec) {
         const imported_region& ir = e.regions[m.remote_index];
         if (m.remote_address < ir.address || m.length > ir.length ||
