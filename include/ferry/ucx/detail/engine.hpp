@@ -615,7 +615,8 @@ class engine {
       }
     }
     // close_timeout 0: the user asked for force-closes. Without peer error handling UCX refuses
-    // to force-close an endpoint, so a flush to a stopped peer could not be bounded: close at once.
+    // to force-close an endpoint and close_endpoint has UCX flush and close it on its own, which
+    // no deadline here could bound: hand it over at once.
     if (close_timeout_.count() <= 0 || !peer_errors_) {
       close_endpoint(*e, make_error_code(errc::endpoint_closed));
       return finish_all(r, {});
