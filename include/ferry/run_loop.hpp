@@ -227,6 +227,7 @@ class run_loop {
   // mutex_, where this thread looks at the queue, and claims under it too.
   void wait_for_work() {
     const nanoseconds spin(current_spin_.load(std::memory_order_relaxed));
+    const auto idle_from = detail::clock::now();
     if (spin_for_work(spin)) return;
     const std::uint32_t epoch = epoch_.load(std::memory_order_acquire);
     {
@@ -235,9 +236,13 @@ class run_loop {
       ++sleepers_;
     }
     sleeps_.fetch_add(1, std::memory_order_relaxed);
-    const auto slept_from = detail::clock::now();
     detail::futex_wait(epoch_, epoch);
-    adapt(spin, detail::clock::now() - slept_from);
+    // Measured from the moment the loop went idle, not from the futex call: a thread the kernel
+    // preempted after registering finds the post that claimed it at once, and its sleep would have
+    // seemed to end at once, doubling the spin of a loop whose work comes 20 ms apart (CI's clang
+    // pass saw that).
+    const nanoseconds idle = detail::clock::now() - idle_from;
+    adapt(spin, std::max(idle - spin, nanoseconds::zero()));
     std::lock_guard lock(mutex_);
     // Unchanged epoch: nothing claimed this registration or stopped (the futex returned on a signal).
     // Changed: a post claimed it, or a stop() or a claim made before it registered moved the epoch;

@@ -202,16 +202,19 @@ struct idle_record {
   std::uint64_t late_sleeps = 0;  // over the last half of the posts
   std::chrono::nanoseconds spin_before_last{};  // as the last gap began (the stop after it may
                                                 // end one more sleep, and move the spin again)
+  std::chrono::nanoseconds least_spin_late{};   // the least seen as a gap began, over the last half
 };
 
 // Runs `loop` on this thread while another posts `count` items to it, `gap` apart (at least).
 idle_record run_posted_every(ferry::run_loop& loop, int count, std::chrono::microseconds gap) {
   std::uint64_t halfway = 0;
   std::chrono::nanoseconds spin_before_last{};
+  auto least_spin_late = std::chrono::nanoseconds::max();
   std::thread poster([&] {
     for (int i = 0; i < count; ++i) {
       if (i == count / 2) halfway = loop.sleeps();
       if (i == count - 1) spin_before_last = loop.current_spin();
+      if (i >= count / 2) least_spin_late = std::min(least_spin_late, loop.current_spin());
       std::this_thread::sleep_for(gap);
       loop.post(std::noop_coroutine());
     }
@@ -219,7 +222,7 @@ idle_record run_posted_every(ferry::run_loop& loop, int count, std::chrono::micr
   });
   loop.run();
   poster.join();
-  return {loop.sleeps() - halfway, spin_before_last};
+  return {loop.sleeps() - halfway, spin_before_last, least_spin_late};
 }
 
 }  // namespace
@@ -229,27 +232,49 @@ TEST_CASE("run_loop: an adaptive spin grows to meet work that keeps coming, and 
   // Posts 200 us apart or more: longer than the least spin, so a fixed one sleeps before nearly
   // every post; far shorter than the most (5 ms, which a busy machine's hiccups rarely reach), so
   // an adaptive one soon stops sleeping at all.
-  constexpr int posts = 400;
-  constexpr auto gap = 200us;
+  static constexpr int posts = 400;
+  static constexpr auto gap = 200us;
   const auto least = GENERATE(0us, 20us);
   CAPTURE(least.count());
 
-  ferry::run_loop fixed(least);
-  CHECK(run_posted_every(fixed, posts, gap).late_sleeps >= posts / 4);
-
-  ferry::run_loop adaptive(least, 5ms);
-  const idle_record busy = run_posted_every(adaptive, posts, gap);
-  CHECK(busy.late_sleeps <= posts / 16);
-  CHECK(busy.spin_before_last >= gap);
-  CHECK(busy.spin_before_last <= 5ms);
-
-  // Posts 20 ms apart, longer than the most: each sleep halves the spin, back to the least (from
-  // 5 ms, eight halvings reach 20 us, and with a least of 0 twelve bring it under 2 us).
-  const idle_record quiet = run_posted_every(adaptive, 24, 20ms);
+  // What a loop does with time depends on getting a CPU: on a 2-vCPU machine that the rest of the
+  // suite keeps busy, a poster or loop thread can be kept off it for milliseconds. So the whole
+  // scenario is tried up to three times and must show the behaviour once; a loop that does not
+  // adapt (or adapts the wrong way) fails every try.
+  struct outcome {
+    std::uint64_t fixed_late_sleeps = 0;
+    idle_record busy, quiet;
+    [[nodiscard]] bool shows_it(std::chrono::nanoseconds least) const {
+      return fixed_late_sleeps >= posts / 4 && busy.late_sleeps <= posts / 16 &&
+             busy.spin_before_last >= gap && busy.spin_before_last <= 5ms &&
+             quiet.spin_before_last <= 4 * std::max<std::chrono::nanoseconds>(least, 2us) &&
+             (least == 0us ? quiet.least_spin_late < 2us : quiet.least_spin_late == least);
+    }
+  };
+  outcome seen;
+  int tries = 0;
+  do {
+    ++tries;
+    ferry::run_loop fixed(least);
+    seen.fixed_late_sleeps = run_posted_every(fixed, posts, gap).late_sleeps;
+    ferry::run_loop adaptive(least, 5ms);
+    seen.busy = run_posted_every(adaptive, posts, gap);
+    // Posts 20 ms apart, longer than the most: each sleep halves the spin, back to the least (from
+    // 5 ms, eight halvings reach 20 us, and with a least of 0 twelve bring it under 2 us). The
+    // spin is looked at over the last half of the posts: a loop the kernel woke 15 ms late for
+    // one post was idle under 5 ms before the next, and doubles it once.
+    seen.quiet = run_posted_every(adaptive, 32, 20ms);
+  } while (!seen.shows_it(least) && tries < 3);
+  CAPTURE(tries);
+  CHECK(seen.fixed_late_sleeps >= posts / 4);
+  CHECK(seen.busy.late_sleeps <= posts / 16);
+  CHECK(seen.busy.spin_before_last >= gap);
+  CHECK(seen.busy.spin_before_last <= 5ms);
+  CHECK(seen.quiet.spin_before_last <= 4 * std::max<std::chrono::nanoseconds>(least, 2us));
   if (least == 0us) {
-    CHECK(quiet.spin_before_last < 2us);
+    CHECK(seen.quiet.least_spin_late < 2us);
   } else {
-    CHECK(quiet.spin_before_last == least);
+    CHECK(seen.quiet.least_spin_late == least);
   }
 }
 
