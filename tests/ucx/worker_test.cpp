@@ -481,10 +481,11 @@ TEST_CASE("ucx: a peer that dies or hangs ends every request, none stays pending
 
 namespace {
 
-ucx::worker_options quick_liveness(const std::string& transports) {
+ucx::worker_options quick_liveness(const std::string& transports,
+                                   std::chrono::milliseconds timeout = 800ms) {
   ucx::worker_options o = over(transports);
   o.liveness_interval = 50ms;
-  o.liveness_timeout = 800ms;
+  o.liveness_timeout = timeout;
   return o;
 }
 
@@ -509,16 +510,18 @@ TEST_CASE("ucx: a notification wait on a stopped peer fails by the liveness chec
 TEST_CASE("ucx: a live peer answers the liveness check for as long as a notification wait lasts",
           "[ucx][concurrency]") {
   const auto transports = GENERATE(as<std::string>{}, "tcp", "shm");
-  side a(quick_liveness(transports)), b(quick_liveness(transports));
+  // A timeout of 1.5 s, not 800 ms: the first pings go unanswered until the peer has connected
+  // back, which under TSan on a loaded machine can take most of a second.
+  side a(quick_liveness(transports, 1500ms)), b(quick_liveness(transports, 1500ms));
   auto ab = a.worker.connect(b.worker.address());
   std::uint64_t v = 0;
   auto w = ab.receive_notification(v, 60s);
   // The peer drops the first pings (it has no endpoint to us yet) and answers once it connects
-  // back; then many liveness timeouts pass with the wait pending and nothing else out, the answers
-  // keeping the endpoint open. Then the notification ends the wait.
-  CHECK(w.wait_for(300ms) == transfer_state::pending);
+  // back; then several liveness timeouts pass with the wait pending and nothing else out, the
+  // answers keeping the endpoint open. Then the notification ends the wait.
+  CHECK(w.wait_for(100ms) == transfer_state::pending);
   auto ba = b.worker.connect(a.worker.address());
-  CHECK(w.wait_for(2500ms) == transfer_state::pending);
+  CHECK(w.wait_for(4500ms) == transfer_state::pending);
   auto n = ba.send_notification(42, 10s);
   REQUIRE(n.wait_for(hang_bound) == transfer_state::success);
   REQUIRE(w.wait_for(hang_bound) == transfer_state::success);

@@ -391,12 +391,14 @@ TEST_CASE("verbs: a request whose deadline passed with its success still in the 
     paused_fabric pause;
     first = r.a_qp->write(r.a_mem->slice(0, 64), r.b_mem->remote().slice(0, 64));
     second = r.a_qp->write(r.a_mem->slice(64, 64), r.b_mem->remote().slice(64, 64));
-    late = r.a_qp->write(r.a_mem->slice(128, 64), r.b_mem->remote().slice(128, 64), 150ms);
+    // The executor must be held before this deadline passes: 600 ms leaves room for a thread held
+    // off the CPU on a loaded machine.
+    late = r.a_qp->write(r.a_mem->slice(128, 64), r.b_mem->remote().slice(128, 64), 600ms);
     REQUIRE(ferry_test::wait_until([&] { return r.a->counters().work_requests_posted >= 3; }));
     hold_executor(first, stage);
   }
   REQUIRE(ferry_test::wait_until([&] { return stage.load() == 1; }));
-  std::this_thread::sleep_for(250ms);  // the deadline passes while the success waits in the CQ
+  std::this_thread::sleep_for(700ms);  // the deadline passes while the success waits in the CQ
   stage = 2;
   REQUIRE(late.wait_for(hang_bound) == transfer_state::success);
   REQUIRE(second.wait_for(hang_bound) == transfer_state::success);

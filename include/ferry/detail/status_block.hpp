@@ -200,15 +200,21 @@ class alignas(64) status_block {
     // microseconds apart). Under the default limit it stays at none.
     wait_spin_state& spin = this_thread_wait_spin();
     const std::chrono::nanoseconds spun = spin.current;
+    // The sleep is timed from the moment the spin was due to end, not from when this thread got
+    // past it: a waiter the kernel held off the CPU meanwhile was idle all that time, and a sleep
+    // timed from later would seem to end at once and double the spin of a stream that is slow.
+    clock::time_point slept_from{};
     if (spun > std::chrono::nanoseconds::zero()) {
       clock::time_point until = clock::now() + spun;  // spun <= limit <= 1 s: no overflow
       const bool deadline_first = deadline != nullptr && *deadline < until;
       if (deadline_first) until = *deadline;
       if (spin_until(until, [this] { return state() != transfer_state::pending; })) return state();
       if (deadline_first) return timed_out(spin, spun);
+      slept_from = until;
+    } else {
+      slept_from = clock::now();
     }
     ++spin.sleeps;
-    const clock::time_point slept_from = clock::now();
     std::uint32_t v = word_.load(std::memory_order_acquire);
     while ((v & state_mask) == 0) {
       if ((v & sleepers_bit) == 0) {
