@@ -23,6 +23,7 @@ enum class errc : int {
   worker_closed,          // the worker was destroyed while the request was queued
   not_executor_safe,      // a blocking call made on the executor's own thread
   peer_unresponsive,      // the peer left a liveness ping unanswered (a stopped or hung process)
+  notification_refused,   // the receiver already held max_unclaimed_notifications of ours
 };
 
 [[nodiscard]] constexpr const char* describe(errc e) noexcept {
@@ -40,8 +41,8 @@ enum class errc : int {
     case errc::handshake_failed:
       return "connecting by host and port did not complete the exchange of regions with the peer";
     case errc::peer_gone:
-      return "the peer's process on this host has exited (shared memory reports success into a "
-             "dead peer's segment, so ferry checks the peer's pid)";
+      return "the peer's process has exited (on this host ferry watches its pid, since shared "
+             "memory reports success into a dead peer's segment)";
     case errc::worker_closed: return "UCX worker was destroyed while the request was still queued";
     case errc::not_executor_safe:
       return "blocking UCX call made on the progress executor's own thread, which must progress "
@@ -49,6 +50,9 @@ enum class errc : int {
     case errc::peer_unresponsive:
       return "the peer did not answer liveness pings within the liveness timeout while a "
              "notification wait was pending (a stopped or hung process); its endpoint was closed";
+    case errc::notification_refused:
+      return "the receiver refused the notification: it already held "
+             "worker_options::max_unclaimed_notifications from this sender that nobody had taken";
   }
   return nullptr;
 }

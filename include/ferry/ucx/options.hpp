@@ -3,6 +3,7 @@
 // these override them.
 
 #include <chrono>
+#include <cstddef>
 #include <string>
 #include <utility>
 #include <vector>
@@ -38,6 +39,10 @@ struct worker_options {
   // force-closes it. 0: force-close at once (UCX 1.13 may then abort a tcp peer that still had
   // puts to acknowledge: docs/ucx.md).
   std::chrono::milliseconds close_timeout = std::chrono::seconds(5);
+  // Notifications that arrived from one peer and that no receive_notification has taken yet are
+  // kept up to this many (1 to 2^24); past it a notification is refused: its sender's transfer
+  // fails with errc::notification_refused and worker::notifications_refused() counts it.
+  std::size_t max_unclaimed_notifications = 65536;
   // Any other UCX setting, by its name without the UCX_ prefix ("RNDV_THRESH", "8k").
   std::vector<std::pair<std::string, std::string>> settings;
   // Where the worker records each get and put that ends, per kind and per peer (metrics.hpp); it

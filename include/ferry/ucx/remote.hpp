@@ -1,8 +1,9 @@
 #pragma once
 // What a peer hands over, as bytes the user carries on a channel of their own: a region of its
 // registered memory (address, length and UCX's packed remote key), and how to reach its worker.
-// Both serialise to a small framed record (magic, version, length, checksum), so bytes that are not
-// one are refused with errc::bad_descriptor instead of reaching UCX, which does not check them.
+// Both serialise to a small framed record (magic, version, the UCX version, length, checksum), so
+// bytes that are not one, or that come from a UCX whose formats differ, are refused with
+// errc::bad_descriptor instead of reaching UCX, which does not check them.
 
 #include <cstddef>
 #include <cstdint>
@@ -13,6 +14,7 @@
 #include <system_error>
 #include <vector>
 
+#include "ferry/ucx/detail/wire.hpp"
 #include "ferry/ucx/errors.hpp"
 
 namespace ferry::ucx {
@@ -21,7 +23,7 @@ namespace detail {
 
 inline constexpr std::uint32_t region_magic = 0x47525846;   // "FXRG"
 inline constexpr std::uint32_t address_magic = 0x41575846;  // "FXWA"
-inline constexpr std::uint16_t descriptor_version = 1;
+inline constexpr std::uint16_t descriptor_version = 2;
 
 inline std::uint32_t fnv1a(std::span<const std::byte> bytes) noexcept {
   std::uint32_t h = 2166136261u;
@@ -33,9 +35,15 @@ inline std::uint32_t fnv1a(std::span<const std::byte> bytes) noexcept {
 }
 
 // Little helpers for a framed record: fields in host order (peers share the byte order: UCX's own
-// packed keys and addresses assume it too).
+// packed keys and addresses assume it too). The head is the magic, the format version and the UCX
+// version.
 class record_writer {
  public:
+  explicit record_writer(std::uint32_t magic) {
+    put(magic);
+    put(descriptor_version);
+    put(ucx_version::here());
+  }
   template <class T>
   void put(const T& v) {
     const auto* p = reinterpret_cast<const std::byte*>(&v);
@@ -62,7 +70,17 @@ class record_reader {
     if (sum != fnv1a(bytes.first(bytes.size() - sizeof sum))) fail("checksum does not match");
     bytes_ = bytes.first(bytes.size() - sizeof sum);
     if (get<std::uint32_t>() != magic) fail("wrong magic");
-    if (get<std::uint16_t>() != descriptor_version) fail("unknown version");
+    if (const auto v = get<std::uint16_t>(); v != descriptor_version) {
+      fail(("is of format version " + std::to_string(v) + "; this ferry reads version " +
+            std::to_string(descriptor_version))
+               .c_str());
+    }
+    const auto theirs = get<ucx_version>();
+    if (const ucx_version ours = ucx_version::here(); !ours.compatible(theirs)) {
+      fail(("comes from UCX " + theirs.text() + ", whose keys and addresses UCX " + ours.text() +
+            " cannot read (major and minor versions must match)")
+               .c_str());
+    }
   }
   template <class T>
   T get() {
@@ -83,7 +101,7 @@ class record_reader {
   }
 
  private:
-  [[noreturn]] void fail(const char* why) const {
+  [[noreturn]] void fail(const std::string& why) const {
     throw std::system_error(make_error_code(errc::bad_descriptor),
                             std::string("ferry::ucx: ") + what_ + " " + why);
   }
@@ -107,9 +125,7 @@ struct remote_region {
   std::vector<std::byte> packed_key;
 
   [[nodiscard]] std::vector<std::byte> to_bytes() const {
-    detail::record_writer w;
-    w.put(detail::region_magic);
-    w.put(detail::descriptor_version);
+    detail::record_writer w(detail::region_magic);
     w.put(address);
     w.put(length);
     w.put(static_cast<std::uint32_t>(packed_key.size()));
@@ -131,7 +147,23 @@ struct remote_region {
     }
     out.packed_key = r.get_bytes(key_bytes);
     r.done();
+    out.check();
     return out;
+  }
+
+  // Throws std::system_error (errc::bad_descriptor) naming what is wrong with a region that UCX
+  // could not safely take: an empty range, one that wraps the address space, or a packed key whose
+  // structure is not UCX's. endpoint::import checks every region with it.
+  void check() const {
+    const auto refuse = [](const std::string& why) {
+      throw std::system_error(make_error_code(errc::bad_descriptor),
+                              "ferry::ucx: remote region " + why);
+    };
+    if (length == 0) refuse("has no bytes");
+    if (address + length < address) refuse("wraps past the end of the address space");
+    if (const std::string why = detail::packed_key_problem(packed_key); !why.empty()) {
+      refuse("has a packed key that " + why);
+    }
   }
 };
 

@@ -84,9 +84,14 @@ inline void run_one(engine& e, std::unique_ptr<request> r, const std::string& wh
   transfer t(ferry::detail::adopt, engine::attach(r->members[0]));
   // A connect's endpoint stays alive until its wait has ended, whoever else lets it go.
   const std::shared_ptr<endpoint_state> keep = r->endpoint;
+  // What a call's exception said, read once the transfer has ended (the request may be gone).
+  std::string error;
+  r->call_error_out = &error;
   e.publish(r.release());
   (void)t.wait();
-  if (t.state() != transfer_state::success) throw std::system_error(t.error(), what);
+  if (t.state() != transfer_state::success) {
+    throw std::system_error(t.error(), error.empty() ? what : what + ": " + error);
+  }
 }
 
 // Runs f() on the executor thread and waits for it.
@@ -328,7 +333,7 @@ class worker {
         // for an executor held off the CPU. Whatever is left, ~engine force-closes.
         const auto until =
             std::chrono::steady_clock::now() + engine_->close_timeout() + std::chrono::seconds(1);
-        while (engine_->closing() != 0 && std::chrono::steady_clock::now() < until) {
+        while (engine_->closing_endpoints() != 0 && std::chrono::steady_clock::now() < until) {
           std::this_thread::sleep_for(std::chrono::milliseconds(1));
         }
       } catch (...) {
@@ -347,10 +352,8 @@ class worker {
 
   // This worker's address, as bytes for the user's own channel: a peer passes them to connect().
   [[nodiscard]] std::vector<std::byte> address() const {
-    detail::record_writer w;
-    w.put(detail::address_magic);
-    w.put(detail::descriptor_version);
-    w.put(engine_->self());
+    detail::record_writer w(detail::address_magic);
+    w.put(engine_->self_identity());
     const auto& a = engine_->ucx_address();
     w.put(static_cast<std::uint32_t>(a.size()));
     w.put_bytes(a);

@@ -2,12 +2,19 @@
 // One call a submitter makes (a get, a put, a batch of either, a notification, a wait for one, a
 // connect, an accept, a close), as the executor carries it out. Every field is written by the
 // submitter before the request is published and touched only by the executor after.
+//
+// Two counts end a request. Its members' transfers end when their parts have (members_left), or
+// earlier, when ferry abandons them: a force-closed endpoint whose requests UCX does not call back.
+// The request itself is freed only once UCX has called back every request it was handed
+// (ucx_out), so a late callback finds it, and the regions it holds stay registered while UCX may
+// still touch them. Requests with UCX requests out are on the engine's held list.
 
 #include <ucp/api/ucp.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <memory>
 #include <system_error>
 #include <vector>
@@ -48,7 +55,7 @@ struct member {
   ucp_mem_h memh = nullptr;
   std::uint64_t remote_address = 0;
   std::uint32_t remote_index = 0;
-  int outstanding = 0;  // UCX requests of this member not yet called back
+  int outstanding = 0;  // parts of this member not yet ended (its UCX request, the flush, an ack)
   std::error_code failure;
 };
 
@@ -63,7 +70,15 @@ struct request {
   std::shared_ptr<endpoint_state> endpoint;
   std::shared_ptr<listener_state> listener;
   std::vector<member> members;
-  std::size_t members_left = 0;
+  std::size_t members_left = 0;  // members whose transfers have not ended
+  std::size_t ucx_out = 0;       // UCX requests not yet called back
+  request* held_prev = nullptr;  // the engine's held list, while ucx_out != 0
+  request* held_next = nullptr;
+  bool held = false;
+  bool abandoned = false;        // its members ended while UCX still held some of its requests
+  bool pinned = false;  // in use by a caller up the stack, or listed: not freed until unpinned
+  bool deadline_listed = false;  // on the engine's list of deadlines to act on
+  request* due_next = nullptr;   // that list's link
   put_completion completion = put_completion::landed;
   bool has_deadline = false;
   bool deadline_passed = false;
@@ -74,9 +89,11 @@ struct request {
   request_timer timer;
   int flushes = 0;  // the flush that ends a landed put batch or comes before a notification
   std::uint64_t value = 0;  // notify: the value; close: flushes so far
+  std::uint64_t sequence = 0;  // notify: what the receiver's acknowledgement names
   std::uint64_t sends_at_flush = 0;  // close: the endpoint's sends when its last flush was posted
   std::uint64_t* value_out = nullptr;
   std::function<std::error_code()> call;
+  std::string* call_error_out = nullptr;  // where a call's exception message goes
   std::shared_ptr<endpoint_state>* endpoint_out = nullptr;  // accept, connect
   // connect
   std::string host;
