@@ -410,6 +410,17 @@ class worker {
   [[nodiscard]] listener listen(const std::string& host, std::uint16_t port,
                                 std::span<const memory_region> expose);
 
+  // Notifications this worker refused because their sender already had
+  // worker_options::max_unclaimed_notifications waiting here that nobody had taken (any thread).
+  [[nodiscard]] std::uint64_t notifications_refused() const noexcept {
+    return engine_->notifications_refused();
+  }
+
+  // Requests whose transfers ended (failed) when their endpoint was force-closed although UCX still
+  // held them: until UCX lets go (at the latest when this worker is destroyed) it may still read a
+  // put's source or write a get's destination, and their regions stay registered (any thread).
+  [[nodiscard]] std::size_t requests_held_by_ucx() const noexcept { return engine_->abandoned(); }
+
   // The completion source, for the executor only.
   [[nodiscard]] detail::engine& engine() noexcept { return *engine_; }
 

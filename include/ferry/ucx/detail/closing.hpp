@@ -104,6 +104,20 @@ struct closing {
     static_cast<E*>(e.eng)->force_close(e, status_error(st));
   }
 
+  // Force-closes `e` at the executor's next poll (from inside a UCX callback, where UCX must not be
+  // asked to close an endpoint).
+  void close_soon(endpoint_state& e, std::error_code why) noexcept {
+    E& s = self();
+    if (e.phase() == endpoint_phase::broken) return;
+    try {
+      if (std::shared_ptr<endpoint_state> keep = s.find_endpoint(e)) {
+        s.closes_due_.emplace_back(std::move(keep), why);
+      }
+    } catch (...) {
+      // No memory to list it: the next request on it finds the death on arrival (admission).
+    }
+  }
+
   // ---- graceful close
   void start_close(request* r) noexcept {
     E& s = self();
@@ -168,7 +182,7 @@ struct closing {
   // callback, where UCX must not be asked to close the endpoint: run_deferred() goes on with it.
   void close_flushed(request* r) noexcept {
     E& s = self();
-    r->pinned = true;  // not freed while listed (a close from a last handle has no member)
+    ++r->pins;  // not freed while listed (a close from a last handle has no member)
     r->next = s.closes_flushed_;
     s.closes_flushed_ = r;
   }
@@ -179,7 +193,7 @@ struct closing {
   // what is left (nothing, unless the deadline passed) and ends.
   void close_go_on(request* r) noexcept {
     E& s = self();
-    r->pinned = false;
+    --r->pins;  // off the list
     endpoint_state& e = *r->endpoint;
     // A send made since the flush was posted (a notification's message, sent once its own flush
     // ended, done locally at once) may still be in UCX's buffers: it needs a flush of its own.
@@ -237,7 +251,11 @@ struct closing {
   std::size_t run_deferred() noexcept {
     E& s = self();
     std::size_t n = 0;
-    while (s.deadlines_due_ != nullptr || s.closes_flushed_ != nullptr) {
+    while (s.deadlines_due_ != nullptr || s.closes_flushed_ != nullptr || !s.closes_due_.empty()) {
+      for (auto& [e, why] : std::exchange(s.closes_due_, {})) {
+        force_close(*e, why);
+        ++n;
+      }
       while (request* r = s.deadlines_due_) {
         s.deadlines_due_ = r->due_next;
         r->due_next = nullptr;
@@ -260,7 +278,7 @@ struct closing {
   void expire(request* r) noexcept {
     E& s = self();
     if (r->members_left == 0 && r->ucx_out == 0) return s.maybe_destroy(r);
-    const bool guarded = std::exchange(r->pinned, true);  // not freed until this returns
+    ++r->pins;  // not freed until this returns, whichever way it ends
     const std::shared_ptr<endpoint_state> e = r->endpoint;
     if (e && e->ep != nullptr) force_close(*e, make_error_code(errc::endpoint_closed));
     if (r->held) {
@@ -269,7 +287,7 @@ struct closing {
       s.finish_all(r, make_error_code(errc::deadline_exceeded));
     }
     // A close UCX no longer holds has had its flush end: close_go_on (closes_flushed_) ends it.
-    r->pinned = guarded;
+    --r->pins;
     s.maybe_destroy(r);
   }
 };

@@ -178,7 +178,10 @@ struct completion {
       const std::error_code f = r.endpoint->failure();
       return f ? f : make_error_code(errc::endpoint_closed);
     }
-    if (self().peer_exited(r)) return make_error_code(errc::peer_gone);
+    if (self().peer_exited(r)) {
+      self().close_soon(*r.endpoint, make_error_code(errc::peer_gone));
+      return make_error_code(errc::peer_gone);
+    }
     return {};
   }
 
@@ -198,15 +201,14 @@ struct completion {
 
   // Ends every member still pending with `ec` (success when empty).
   void finish_all(request* r, std::error_code ec) noexcept {
-    // Ending the last member must not free `r` inside the loop (nor while a caller still uses it).
-    const bool guarded = std::exchange(r->pinned, true);
+    ++r->pins;  // ending the last member must not free `r` inside the loop
     for (member& m : r->members) {
       if (m.status == nullptr) continue;
       m.failure = ec;
       m.outstanding = 1;
       end_member(m);
     }
-    r->pinned = guarded;
+    --r->pins;
     maybe_destroy(r);
   }
 
@@ -227,7 +229,7 @@ struct completion {
   }
 
   void maybe_destroy(request* r) noexcept {
-    if (r->members_left != 0 || r->ucx_out != 0 || r->pinned || r->deadline_listed) return;
+    if (r->members_left != 0 || r->ucx_out != 0 || r->pins != 0 || r->deadline_listed) return;
     if (r->has_deadline) (void)self().exec_.timers().cancel(r->timer);
     delete r;
   }

@@ -186,6 +186,7 @@ class engine : public submission<engine>,
   // UCS_ERR_BUSY: events are waiting, progress instead of sleeping.
   bool arm() noexcept {
     return incoming_.empty() && deadlines_due_ == nullptr && closes_flushed_ == nullptr &&
+           closes_due_.empty() &&
            ::ucp_worker_arm(worker_) == UCS_OK;
   }
   [[nodiscard]] bool in_flight() const noexcept { return in_flight_ != 0; }
@@ -247,6 +248,8 @@ class engine : public submission<engine>,
   std::atomic<std::size_t> closing_{0};
   request* deadlines_due_ = nullptr;   // requests whose deadlines passed, linked through due_next
   request* closes_flushed_ = nullptr;  // closes whose flush ended, linked through next
+  // Endpoints to force-close at the next poll, and why (a watched peer seen exited in a callback).
+  std::vector<std::pair<std::shared_ptr<endpoint_state>, std::error_code>> closes_due_;
   flag_timer liveness_timer_;
   bool liveness_armed_ = false;
   std::array<unsigned char, sizeof(am_header)> ping_header_{};

@@ -16,6 +16,8 @@
 
 #include <ucp/api/ucp.h>
 
+#include <poll.h>
+
 #include <array>
 #include <chrono>
 #include <memory>
@@ -29,6 +31,9 @@
 #include "ferry/ucx/errors.hpp"
 
 namespace ferry::ucx::detail {
+
+// How long an endpoint failure that looks like a lost peer waits to see its watched process exit.
+inline constexpr std::chrono::milliseconds exit_grace{20};
 
 template <class E>
 struct liveness {
@@ -45,9 +50,18 @@ struct liveness {
   }
 
   // What an endpoint that failed with `why` tells its users: peer_gone when its watched peer has
-  // exited (UCX says "Endpoint timeout" or "Connection reset" for a peer that simply exited).
+  // exited (UCX says "Endpoint timeout" or "Connection reset" for a peer that simply exited). A
+  // process that exits closes its sockets before its pidfd turns readable, so UCX can report the
+  // loss first: for a loss UCX reports, the exit is waited for up to exit_grace.
   [[nodiscard]] static std::error_code reason(const endpoint_state& e, std::error_code why) noexcept {
-    if (e.peer_pidfd >= 0 && process_exited(e.peer_pidfd)) return make_error_code(errc::peer_gone);
+    if (e.peer_pidfd < 0) return why;
+    const bool loss = why.category() == ucs_category() &&
+                      (why.value() == UCS_ERR_ENDPOINT_TIMEOUT ||
+                       why.value() == UCS_ERR_CONNECTION_RESET || why.value() == UCS_ERR_UNREACHABLE ||
+                       why.value() == UCS_ERR_IO_ERROR || why.value() == UCS_ERR_NOT_CONNECTED);
+    pollfd p{e.peer_pidfd, POLLIN, 0};
+    const int waited = ::poll(&p, 1, loss ? static_cast<int>(exit_grace.count()) : 0);
+    if (waited == 1 && (p.revents & POLLIN) != 0) return make_error_code(errc::peer_gone);
     return why;
   }
 

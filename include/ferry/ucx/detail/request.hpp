@@ -76,7 +76,7 @@ struct request {
   request* held_next = nullptr;
   bool held = false;
   bool abandoned = false;        // its members ended while UCX still held some of its requests
-  bool pinned = false;  // in use by a caller up the stack, or listed: not freed until unpinned
+  unsigned pins = 0;  // callers up the stack using it, and lists holding it: not freed while any
   bool deadline_listed = false;  // on the engine's list of deadlines to act on
   request* due_next = nullptr;   // that list's link
   put_completion completion = put_completion::landed;

@@ -10,6 +10,7 @@
 
 #include "ferry/ucx/detail/endpoint_state.hpp"
 #include "ferry/ucx/detail/request.hpp"
+#include "ferry/ucx/detail/wire.hpp"
 #include "ferry/ucx/errors.hpp"
 #include "ferry/ucx/options.hpp"
 
@@ -25,6 +26,17 @@ struct submission {
     if (r->endpoint->carries_requests()) return {};
     const std::error_code f = r->endpoint->failure();
     return f ? f : make_error_code(errc::endpoint_closed);
+  }
+
+  // Why `r` cannot go out now, refusing it: its endpoint cannot take it, or its watched peer has
+  // exited (then the endpoint is force-closed first: UCX 1.13 crashes touching a dead
+  // shared-memory peer's segment, and reports success into it).
+  std::error_code admission(request* r) noexcept {
+    if (const std::error_code ec = refusal(r)) return ec;
+    endpoint_state& e = *r->endpoint;
+    if (!process_exited(e.peer_pidfd)) return {};
+    self().force_close(e, make_error_code(errc::peer_gone));
+    return make_error_code(errc::peer_gone);
   }
 
   // Why member `m` cannot go out on `e`; empty when it can. `rkey` is set when it can.
@@ -46,13 +58,13 @@ struct submission {
 
   void start_rma(request* r) noexcept {
     E& s = self();
-    if (const std::error_code ec = refusal(r)) return s.finish_all(r, ec);
+    if (const std::error_code ec = admission(r)) return s.finish_all(r, ec);
     endpoint_state& e = *r->endpoint;
     s.arm_deadline(r);
     const bool put = r->kind == request_kind::put;
     const bool flush = put && r->completion == put_completion::landed;
     // Not freed while its members are handed over, whatever ends them meanwhile.
-    r->pinned = true;
+    ++r->pins;
     for (member& m : r->members) {
       ucp_rkey_h rkey = nullptr;
       // UCX may fail the endpoint inside an earlier member's call (its error handler, which
@@ -79,7 +91,7 @@ struct submission {
       s.track(e, sp, m);
     }
     if (flush && r->members_left != 0 && !r->abandoned) s.start_flush(r);
-    r->pinned = false;
+    --r->pins;
     s.maybe_destroy(r);
   }
 };
