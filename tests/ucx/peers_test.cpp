@@ -52,20 +52,21 @@ ucx::worker_options over(const std::string& transports) {
   return o;
 }
 
+// A role's argument: fields separated by '|' (transports themselves hold commas: "tcp,shm").
 std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> out;
   std::size_t at = 0;
   for (;;) {
-    const std::size_t comma = s.find(',', at);
-    out.push_back(s.substr(at, comma - at));
-    if (comma == std::string::npos) return out;
-    at = comma + 1;
+    const std::size_t bar = s.find('|', at);
+    out.push_back(s.substr(at, bar - at));
+    if (bar == std::string::npos) return out;
+    at = bar + 1;
   }
 }
 
 // ---- roles of the peer processes
 
-// A target: "TRANSPORTS,register|allocate[,no-peer-errors]". Reads the parent's address, exposes a region (the
+// A target: "TRANSPORTS|register or allocate[|no-peer-errors]". Reads the parent's address, exposes a region (the
 // shared memfd, registered; or memory UCX allocates), connects back, tells its address and region,
 // then obeys: "exit" (_exit at once), "drop-worker" (its endpoint and worker go; it stays).
 int run_target(int in, int out, const std::string& arg) {
@@ -82,16 +83,24 @@ int run_target(int in, int out, const std::string& arg) {
     ucx::memory_region mem = allocate
         ? w->allocate(region_bytes)
         : w->register_memory(peer::shared_memory::map_inherited(region_bytes));
+    auto back = std::make_unique<ucx::endpoint>(w->connect(*parent));
     if (allocate) {
       const auto p = ferry_test::pattern(region_bytes, 1);  // what gets from it must find
       std::memcpy(mem.bytes().data(), p.data(), region_bytes);
     }
-    auto back = std::make_unique<ucx::endpoint>(w->connect(*parent));
     peer::send(out, w->address());
     peer::send(out, mem.describe().to_bytes());
     for (;;) {
       const auto command = peer::text(peer::receive(in, std::chrono::hours(1)));
       if (command == "exit" || command.empty()) ::_exit(0);
+      if (command.rfind("digest ", 0) == 0) {  // "digest OFFSET LENGTH": FNV-1a of those bytes
+        const std::size_t at = std::stoull(command.substr(7));
+        const std::size_t n = std::stoull(command.substr(command.find(' ', 7) + 1));
+        const auto bytes = mem.bytes();
+        if (at > bytes.size() || n > bytes.size() - at) return 3;
+        peer::send(out, std::to_string(ucx::detail::fnv1a(bytes.subspan(at, n))));
+        continue;
+      }
       if (command == "drop-worker") {
         back.reset();
         mem = {};
@@ -102,7 +111,7 @@ int run_target(int in, int out, const std::string& arg) {
   }
 }
 
-// A target in a PID namespace of its own (pid 1 there): "TRANSPORTS,register". Says "skip: why"
+// A target in a PID namespace of its own (pid 1 there): "TRANSPORTS|register". Says "skip: why"
 // where no namespace can be made.
 int run_target_in_pid_namespace(int in, int out, const std::string& arg) {
   if (::unshare(CLONE_NEWPID) != 0) {
@@ -124,7 +133,7 @@ int run_target_in_pid_namespace(int in, int out, const std::string& arg) {
   return 0;
 }
 
-// A notifier: "TRANSPORTS,VALUE". Tells its address, takes the parent's (which has connected to it
+// A notifier: "TRANSPORTS|VALUE". Tells its address, takes the parent's (which has connected to it
 // by then), connects back, sends VALUE, and exits the moment its transfer succeeds, without closing
 // anything.
 int run_notifier(int in, int out, const std::string& arg) {
@@ -190,7 +199,7 @@ int run_listener(int in, int out, const std::string& arg) {
 struct joined {
   joined(const std::string& transports, bool allocate, const std::string& role = "ucx-target")
       : shared(region_bytes),
-        child(role, transports + (allocate ? ",allocate" : ",register"), shared.fd()),
+        child(role, transports + (allocate ? "|allocate" : "|register"), shared.fd()),
         exec() {
     w.emplace(exec, over(transports));
     if (role == "ucx-target-pidns") {
@@ -254,10 +263,11 @@ void befall(joined& j, fate f) {
 TEST_CASE("ucx: a peer killed, exited, stopped or dropping its worker mid-batch: every member ends "
           "by its deadline, and every success has its bytes where they landed",
           "[ucx-peers]") {
-  const std::string transports = GENERATE(as<std::string>{}, "tcp", "shm");
+  const std::string transports = GENERATE(as<std::string>{}, "tcp", "shm", "tcp,shm");
   const fate f = GENERATE(fate::killed, fate::exited, fate::stopped, fate::worker_dropped);
   const std::string op = GENERATE(as<std::string>{}, "put", "get", "mixed");
-  const std::size_t count = GENERATE(std::size_t{256}, std::size_t{1000});
+  // Batches of 1000 for puts (the review's false successes) and mixed, of 256 for gets.
+  const std::size_t count = op == "get" ? 256 : 1000;
   CAPTURE(transports, name(f), op, count);
   joined j(transports, false);
   // The target's region holds a pattern for gets; this side's holds another for puts.
@@ -394,8 +404,18 @@ TEST_CASE("ucx: gets from a killed, exited or stopped peer's UCX-allocated memor
   std::size_t wrong = 0;
   for (std::size_t i = 0; i < ts.size(); ++i) {
     if (ts[i].state() != transfer_state::success) continue;
-    wrong += std::memcmp(j.local_bytes.data() + i * block, theirs.data() + i * block, block) != 0;
+    const bool bad = std::memcmp(j.local_bytes.data() + i * block, theirs.data() + i * block, block) != 0;
+    if (bad && wrong < 3) {
+      std::size_t first = 0;
+      while (first < block && j.local_bytes[i * block + first] == theirs[i * block + first]) ++first;
+      std::size_t zeros = 0;
+      for (std::size_t k = 0; k < block; ++k) zeros += j.local_bytes[i * block + k] == std::byte{0};
+      UNSCOPED_INFO("block " << i << " first wrong byte " << first << " zeros " << zeros);
+    }
+    wrong += bad;
   }
+  std::size_t ok = 0; for (auto& t : ts) ok += t.state() == transfer_state::success;
+  UNSCOPED_INFO("successes " << ok);
   CHECK(wrong == 0);
   j.ep.close();  // returns: nothing on it is left pending
   if (f == fate::stopped) j.child.kill(SIGKILL);
@@ -430,7 +450,7 @@ TEST_CASE("ucx: a region or a worker address of a peer that has died is refused,
   const std::string transports = GENERATE(as<std::string>{}, "tcp", "shm");
   CAPTURE(transports);
   peer::shared_memory shared(region_bytes);
-  peer::process child("ucx-target", transports + ",allocate", shared.fd());
+  peer::process child("ucx-target", transports + "|allocate", shared.fd());
   ferry::progress_executor exec;
   ucx::worker w(exec, over(transports));
   REQUIRE(child.send(w.address()));
@@ -604,7 +624,7 @@ TEST_CASE("ucx: raw bytes sent to a listener's port neither crash it nor stop it
     REQUIRE(::connect(fd, reinterpret_cast<const sockaddr*>(&sa), sizeof sa) == 0);
     std::vector<unsigned char> junk(n);
     for (auto& c : junk) c = static_cast<unsigned char>(rng());
-    if (n != 0) (void)!::write(fd, junk.data(), junk.size());
+    if (n != 0) (void)!::send(fd, junk.data(), junk.size(), MSG_NOSIGNAL);
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     ::close(fd);
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -640,7 +660,7 @@ TEST_CASE("ucx: a sender that exits the moment its notification succeeds has del
     const std::string transports = (first / at_once) % 2 == 0 ? "tcp" : "shm";
     for (int i = first; i < first + at_once; ++i) {
       batch.push_back(std::make_unique<peer::process>("ucx-notifier",
-                                                       transports + "," + std::to_string(1000 + i)));
+                                                       transports + "|" + std::to_string(1000 + i)));
     }
     for (int k = 0; k < at_once; ++k) {
       const int i = first + k;
@@ -802,7 +822,7 @@ TEST_CASE("ucx: without peer error handling, a batch to a stopped peer still end
   ucx::worker_options o = over("tcp");
   o.peer_error_handling = false;
   peer::shared_memory shared(region_bytes);
-  peer::process child("ucx-target", "tcp,register,no-peer-errors", shared.fd());
+  peer::process child("ucx-target", "tcp|register|no-peer-errors", shared.fd());
   ferry::progress_executor exec;
   std::optional<ucx::worker> w;
   w.emplace(exec, o);

@@ -4,6 +4,10 @@
 
 #include <catch2/catch.hpp>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <signal.h>
 #include <unistd.h>
@@ -191,7 +195,8 @@ TEST_CASE("ucx: by host and port, each side learns the regions the other exposes
   const auto data = random_bytes(8192, 9);
   std::memcpy(amem.data(), data.data(), data.size());
   auto t = ep.put(amr.slice(0, 8192), regions[0].slice(0, 8192), 20s);
-  REQUIRE(t.wait_for(hang_bound) == transfer_state::success);
+  CAPTURE(t.wait_for(hang_bound), t.error().message());
+  REQUIRE(t.state() == transfer_state::success);
   CHECK(std::memcmp(mem.data(), data.data(), data.size()) == 0);
   std::uint64_t v = 0;
   auto w = server_side.receive_notification(v, 20s);
@@ -651,4 +656,145 @@ TEST_CASE("ucx: a close_timeout below 0 or above an hour is refused, naming it",
       CHECK(std::string(e.what()).find("close_timeout") != std::string::npos);
     }
   }
+}
+
+namespace {
+
+// Connects with co_await on `loop` (the engine's own scheduler), then puts `n` bytes into the
+// peer's first region and co_awaits it; records where it resumed and how it ended.
+ferry_test::detached connect_and_put(ferry::run_loop& loop, ucx::worker& w, std::uint16_t port,
+                                     const ucx::memory_region& mine, std::size_t n,
+                                     std::thread::id& resumed_on, std::string& outcome,
+                                     std::atomic<bool>& done) {
+  co_await ferry_test::hop{loop};  // on the engine's thread from here
+  try {
+    ucx::endpoint ep = co_await w.connect_async("127.0.0.1", port, std::span(&mine, 1), 20s);
+    resumed_on = std::this_thread::get_id();
+    const auto regions = ep.peer_regions();
+    const transfer_state s =
+        co_await ep.put(mine.slice(0, n), regions.at(0).slice(0, n), 20s);
+    outcome = s == transfer_state::success ? "put landed" : "put failed";
+  } catch (const std::exception& e) {
+    outcome = std::string("threw: ") + e.what();
+  }
+  done = true;
+}
+
+ferry_test::detached accept_one(ferry::run_loop& loop, ucx::listener& l, ucx::endpoint& out,
+                                std::thread::id& resumed_on, std::atomic<bool>& done) {
+  co_await ferry_test::hop{loop};
+  out = co_await l.accept_async(20s);
+  resumed_on = std::this_thread::get_id();
+  done = true;
+}
+
+ferry_test::detached bump(ferry::run_loop& loop, std::atomic<int>& count) {
+  co_await ferry_test::hop{loop};
+  ++count;
+}
+
+}  // namespace
+
+TEST_CASE("ucx: connect and accept by host and port are awaitable, resume on the awaiting "
+          "coroutine's scheduler, and never block its thread",
+          "[ucx][concurrency]") {
+  const std::string transports = GENERATE(as<std::string>{}, "tcp", "shm", "tcp,shm");
+  CAPTURE(transports);
+  side a(transports), b(transports);
+  std::vector<std::byte> at_b(8192), at_a(8192);
+  const auto exposed = b.worker.register_memory(at_b);
+  const auto mine = a.worker.register_memory(at_a);
+  const auto data = random_bytes(8192, 11);
+  std::memcpy(at_a.data(), data.data(), data.size());
+  auto l = b.worker.listen("127.0.0.1", 0, std::span(&exposed, 1));
+  ferry_test::engine_thread ea, eb;
+  std::thread::id a_resumed, b_resumed;
+  std::string outcome;
+  std::atomic<bool> a_done{false}, b_done{false};
+  ucx::endpoint accepted;
+  // The accept waits first, and its engine thread goes on with other work meanwhile.
+  accept_one(eb.loop(), l, accepted, b_resumed, b_done);
+  std::atomic<int> ran_meanwhile{0};
+  bump(eb.loop(), ran_meanwhile);
+  REQUIRE(wait_until([&] { return ran_meanwhile.load() == 1; }, hang_bound));
+  CHECK_FALSE(b_done.load());
+  connect_and_put(ea.loop(), a.worker, l.port(), mine, 8192, a_resumed, outcome, a_done);
+  REQUIRE(wait_until([&] { return a_done.load() && b_done.load(); }, hang_bound));
+  CHECK(outcome == "put landed");
+  CHECK(a_resumed == ea.id());
+  CHECK(b_resumed == eb.id());
+  CHECK(ran_meanwhile == 1);
+  CHECK(std::memcmp(at_b.data(), data.data(), data.size()) == 0);
+  REQUIRE(accepted.peer_regions().size() == 1);
+}
+
+TEST_CASE("ucx: connecting by host and port fails by name: nothing listening, a listener that "
+          "never answers (at the deadline), a peer that answers garbage",
+          "[ucx]") {
+  side a("tcp");
+  // Nothing listening: a port bound and closed again.
+  {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0);
+    socklen_t len = sizeof sa;
+    REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0);
+    ::close(fd);
+    try {
+      (void)a.worker.connect("127.0.0.1", ntohs(sa.sin_port), {}, 5s);
+      FAIL("connected to nothing");
+    } catch (const std::system_error& e) {
+      CHECK(e.code() == std::errc::connection_refused);
+      CHECK_THAT(e.what(), Catch::Contains("ferry::ucx::worker::connect to 127.0.0.1:"));
+    }
+  }
+  // A server that accepts and then says nothing, or says garbage.
+  const int server = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(server, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0);
+  REQUIRE(::listen(server, 8) == 0);
+  socklen_t len = sizeof sa;
+  REQUIRE(::getsockname(server, reinterpret_cast<sockaddr*>(&sa), &len) == 0);
+  const std::uint16_t port = ntohs(sa.sin_port);
+  {
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      (void)a.worker.connect("127.0.0.1", port, {}, 300ms);  // the kernel accepts; nobody answers
+      FAIL("connected to a silent server");
+    } catch (const std::system_error& e) {
+      CHECK(e.code() == ucx::errc::deadline_exceeded);
+    }
+    CHECK(std::chrono::steady_clock::now() - start < hang_bound);
+  }
+  std::atomic<bool> stop{false};
+  std::thread garbage([&] {
+    std::vector<int> open;
+    while (!stop) {
+      pollfd p{server, POLLIN, 0};
+      if (::poll(&p, 1, 50) != 1) continue;
+      const int c = ::accept(server, nullptr, nullptr);
+      if (c < 0) continue;
+      // A length of 40, then 40 bytes that are not a hello.
+      const std::uint32_t n = 40;
+      (void)!::send(c, &n, sizeof n, MSG_NOSIGNAL);
+      const std::vector<char> junk(40, 'x');
+      (void)!::send(c, junk.data(), junk.size(), MSG_NOSIGNAL);
+      open.push_back(c);
+    }
+    for (int c : open) ::close(c);
+  });
+  try {
+    (void)a.worker.connect("127.0.0.1", port, {}, 5s);
+    FAIL("connected to a peer that answered garbage");
+  } catch (const std::system_error& e) {
+    CHECK(e.code() == ucx::errc::bad_descriptor);
+    CHECK_THAT(e.what(), Catch::Contains("hello"));
+  }
+  stop = true;
+  garbage.join();
+  ::close(server);
 }

@@ -15,8 +15,7 @@ class registry;
 namespace ferry::ucx {
 
 struct worker_options {
-  // UCX's TLS setting: "tcp", "shm", "tcp,shm", "all", ... Connecting by host and port needs tcp
-  // among them (UCX's connection manager runs over sockets).
+  // UCX's TLS setting: "tcp", "shm", "tcp,shm", "all", ...
   std::string transports = "tcp,shm";
   // UCX's NET_DEVICES (e.g. "lo", "mlx5_0:1"); empty leaves UCX's choice.
   std::string devices;
@@ -43,6 +42,9 @@ struct worker_options {
   // kept up to this many (1 to 2^24); past it a notification is refused: its sender's transfer
   // fails with errc::notification_refused and worker::notifications_refused() counts it.
   std::size_t max_unclaimed_notifications = 65536;
+  // How long a peer that connected to a listener may take to send its hello (connection.hpp)
+  // before the connection is dropped.
+  std::chrono::milliseconds handshake_timeout = std::chrono::seconds(10);
   // Any other UCX setting, by its name without the UCX_ prefix ("RNDV_THRESH", "8k").
   std::vector<std::pair<std::string, std::string>> settings;
   // Where the worker records each get and put that ends, per kind and per peer (metrics.hpp); it

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <coroutine>
 #include <memory>
 #include <optional>
 #include <span>
@@ -70,28 +71,43 @@ void set_deadline(request& r, std::chrono::duration<Rep, Period> timeout) {
   }
 }
 
-// Publishes `r`, a request of one member (a call, a connect or an accept), to the executor and
-// waits for it to end; throws std::system_error naming `what` with its error. Refused on the
-// executor thread itself (the executor must progress the worker for the request to end).
-inline void run_one(engine& e, std::unique_ptr<request> r, const std::string& what) {
-  if (e.executor().on_executor_thread()) {
-    throw std::system_error(make_error_code(errc::not_executor_safe), what);
-  }
+// Publishes `r`, a request of one member (a call, a connect or an accept), to the executor; its
+// transfer ends with it.
+inline transfer start_one(engine& e, std::unique_ptr<request> r) {
   r->eng = &e;
   r->members.resize(1);
   r->members[0].owner = r.get();
   r->members_left = 1;
   transfer t(ferry::detail::adopt, engine::attach(r->members[0]));
-  // A connect's endpoint stays alive until its wait has ended, whoever else lets it go.
-  const std::shared_ptr<endpoint_state> keep = r->endpoint;
-  // What a call's exception said, read once the transfer has ended (the request may be gone).
-  std::string error;
-  r->call_error_out = &error;
   e.publish(r.release());
-  (void)t.wait();
+  return t;
+}
+
+// Throws std::system_error naming `what` (and what the executor said, `error`) unless `t`
+// succeeded.
+inline void check_one(const transfer& t, const std::string& what, const std::string& error) {
   if (t.state() != transfer_state::success) {
     throw std::system_error(t.error(), error.empty() ? what : what + ": " + error);
   }
+}
+
+// Refuses a blocking call on the executor thread itself (the executor must progress the worker for
+// it to end).
+inline void refuse_on_executor(engine& e, const std::string& what) {
+  if (e.executor().on_executor_thread()) {
+    throw std::system_error(make_error_code(errc::not_executor_safe), what);
+  }
+}
+
+// start_one, then waits for it; throws std::system_error naming `what` with its error.
+inline void run_one(engine& e, std::unique_ptr<request> r, const std::string& what) {
+  refuse_on_executor(e, what);
+  // What a call's exception said, read once the transfer has ended (the request may be gone).
+  std::string error;
+  r->call_error_out = &error;
+  const transfer t = start_one(e, std::move(r));
+  (void)t.wait();
+  check_one(t, what, error);
 }
 
 // Runs f() on the executor thread and waits for it.
@@ -306,6 +322,71 @@ class endpoint {
 
 class listener;
 
+// An endpoint being made by host and port (worker::connect_async, listener::accept_async).
+// `co_await` it in a coroutine (it resumes on the coroutine's scheduler with the endpoint, or throws
+// std::system_error naming what failed), or get() it, which blocks. Dropping it unawaited is safe:
+// an endpoint made meanwhile is closed.
+class pending_endpoint {
+ public:
+  pending_endpoint(pending_endpoint&&) noexcept = default;
+  pending_endpoint& operator=(pending_endpoint&&) noexcept = default;
+  pending_endpoint(const pending_endpoint&) = delete;
+  pending_endpoint& operator=(const pending_endpoint&) = delete;
+  // An endpoint made and never taken is closed: here when it was made already, else by the executor
+  // when it is (connection.hpp, hand_over).
+  ~pending_endpoint() {
+    if (endpoint_ || !result_) return;
+    result_->dropped.store(true, std::memory_order_seq_cst);
+    if (made_.state() != transfer_state::success) return;
+    try {
+      (void)get();  // a handle, dropped at once: the endpoint closes
+    } catch (...) {
+      // Out of memory for the handle: the worker closes the endpoint when it goes.
+    }
+  }
+
+  // Ends when the endpoint is made or could not be: for a batch wait beside other transfers.
+  [[nodiscard]] const transfer& made() const noexcept { return made_; }
+
+  // Waits for the endpoint; throws std::system_error naming what failed (errc::not_executor_safe
+  // on the executor's own thread while it is still being made).
+  [[nodiscard]] endpoint get();
+
+  class awaiter {
+   public:
+    explicit awaiter(pending_endpoint& p) : inner_(p.made_.status()), owner_(&p) {}
+    bool await_ready() noexcept { return inner_.await_ready(); }
+    template <class Promise>
+    bool await_suspend(std::coroutine_handle<Promise> h) {
+      return inner_.await_suspend(h);
+    }
+    bool await_suspend_on(std::coroutine_handle<> h, any_scheduler s) noexcept {
+      return inner_.await_suspend_on(h, std::move(s));
+    }
+    endpoint await_resume() {
+      (void)inner_.await_resume();
+      return owner_->get();  // terminal by now: does not block
+    }
+
+   private:
+    transfer_awaiter inner_;
+    pending_endpoint* owner_;
+  };
+  [[nodiscard]] awaiter operator co_await() & { return awaiter(*this); }
+  [[nodiscard]] awaiter operator co_await() && { return awaiter(*this); }
+
+ private:
+  friend class worker;
+  friend class listener;
+  pending_endpoint(worker& w, std::unique_ptr<detail::request> r, std::string what);
+
+  worker* owner_ = nullptr;
+  std::shared_ptr<detail::connect_result> result_;
+  transfer made_;
+  std::string what_;
+  std::optional<endpoint> endpoint_;  // once get() has made a handle of it
+};
+
 // A UCX context and worker, progressed by `exec` alone.
 class worker {
  public:
@@ -385,24 +466,30 @@ class worker {
     return wrap(std::move(s));
   }
 
-  // Connects to a listener at host:port through UCX's connection manager, telling the peer the
-  // regions in `expose`; returns once the peer has told its own (endpoint::peer_regions).
+  // Connects to a listener at host:port, telling the peer the regions in `expose`; returns once
+  // the hellos have crossed (endpoint::peer_regions has the peer's). Through ferry's own handshake
+  // (detail/connection.hpp), not UCX's connection manager; any transports. Blocks: in a coroutine,
+  // co_await connect_async instead.
   template <class Rep = std::int64_t, class Period = std::nano>
   [[nodiscard]] endpoint connect(const std::string& host, std::uint16_t port,
                                  std::span<const memory_region> expose,
                                  std::chrono::duration<Rep, Period> timeout = std::chrono::seconds(10)) {
+    detail::refuse_on_executor(*engine_, connect_what(host, port));
+    return connect_async(host, port, expose, timeout).get();
+  }
+
+  // connect, to co_await: the calling thread never blocks (timeout bounds the whole handshake).
+  template <class Rep = std::int64_t, class Period = std::nano>
+  [[nodiscard]] pending_endpoint connect_async(const std::string& host, std::uint16_t port,
+      std::span<const memory_region> expose,
+      std::chrono::duration<Rep, Period> timeout = std::chrono::seconds(10)) {
     auto r = std::make_unique<detail::request>();
     r->kind = detail::request_kind::connect;
-    r->endpoint = std::make_shared<detail::endpoint_state>();
     r->host = host;
     r->port = port;
-    r->hello = hello(expose);
-    std::shared_ptr<detail::endpoint_state> out;
-    r->endpoint_out = &out;
+    r->expose = describe(expose);
     detail::set_deadline(*r, timeout);
-    detail::run_one(*engine_, std::move(r),
-                    "ferry::ucx::worker::connect to " + host + ":" + std::to_string(port));
-    return wrap(std::move(out));
+    return pending_endpoint(*this, std::move(r), connect_what(host, port));
   }
 
   // Listens on host:port (port 0: any free one; listener::port tells which), telling each peer
@@ -427,10 +514,15 @@ class worker {
  private:
   friend class listener;
 
-  static std::vector<std::byte> hello(std::span<const memory_region> expose) {
+  friend class pending_endpoint;
+
+  static std::vector<remote_region> describe(std::span<const memory_region> expose) {
     std::vector<remote_region> regions;
     for (const memory_region& m : expose) regions.push_back(m.describe());
-    return detail::encode_regions(regions);
+    return regions;
+  }
+  static std::string connect_what(const std::string& host, std::uint16_t port) {
+    return "ferry::ucx::worker::connect to " + host + ":" + std::to_string(port);
   }
 
   endpoint wrap(std::shared_ptr<detail::endpoint_state> s) {
@@ -460,17 +552,23 @@ class listener {
  public:
   [[nodiscard]] std::uint16_t port() const noexcept { return state_->port; }
 
-  // The next peer that connected and told its regions; waits up to `timeout`.
+  // The next peer that connected and told its regions; waits up to `timeout`. Blocks: in a
+  // coroutine, co_await accept_async instead.
   template <class Rep = std::int64_t, class Period = std::nano>
   [[nodiscard]] endpoint accept(std::chrono::duration<Rep, Period> timeout = std::chrono::seconds(10)) {
+    detail::refuse_on_executor(owner_->engine(), "ferry::ucx::listener::accept");
+    return accept_async(timeout).get();
+  }
+
+  // accept, to co_await.
+  template <class Rep = std::int64_t, class Period = std::nano>
+  [[nodiscard]] pending_endpoint accept_async(
+      std::chrono::duration<Rep, Period> timeout = std::chrono::seconds(10)) {
     auto r = std::make_unique<detail::request>();
     r->kind = detail::request_kind::accept;
     r->listener = state_;
-    std::shared_ptr<detail::endpoint_state> out;
-    r->endpoint_out = &out;
     detail::set_deadline(*r, timeout);
-    detail::run_one(owner_->engine(), std::move(r), "ferry::ucx::listener::accept");
-    return owner_->wrap(std::move(out));
+    return pending_endpoint(*owner_, std::move(r), "ferry::ucx::listener::accept");
   }
 
   listener(listener&& other) noexcept
@@ -506,12 +604,32 @@ class listener {
 inline listener worker::listen(const std::string& host, std::uint16_t port,
                                std::span<const memory_region> expose) {
   auto s = std::make_shared<detail::listener_state>();
-  s->hello = hello(expose);
+  s->expose = describe(expose);
   detail::engine& e = *engine_;
   detail::on_executor(e, "ferry::ucx::worker::listen on " + host + ":" + std::to_string(port),
                       [&] { return e.make_listener(s, host, port); });
   open_handles_.fetch_add(1);
   return listener(this, std::move(s));
+}
+
+inline pending_endpoint::pending_endpoint(worker& w, std::unique_ptr<detail::request> r,
+                                          std::string what)
+    : owner_(&w), result_(std::make_shared<detail::connect_result>()), what_(std::move(what)) {
+  r->endpoint_out = &result_->out;
+  r->call_error_out = &result_->error;
+  r->result = result_;
+  made_ = detail::start_one(w.engine(), std::move(r));
+}
+
+inline endpoint pending_endpoint::get() {
+  if (endpoint_) return *endpoint_;
+  if (!made_.done()) {
+    detail::refuse_on_executor(owner_->engine(), what_);
+    (void)made_.wait();
+  }
+  detail::check_one(made_, what_, result_->error);
+  endpoint_ = owner_->wrap(std::exchange(result_->out, nullptr));
+  return *endpoint_;
 }
 
 }  // namespace ferry::ucx

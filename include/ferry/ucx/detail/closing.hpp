@@ -81,9 +81,6 @@ struct closing {
       s.finish_all(r, e.failure());
     }
     for (request* r : std::exchange(e.close_waiters, {})) s.finish_all(r, {});
-    if (request* r = std::exchange(e.connect_waiter, nullptr)) {
-      s.finish_all(r, r->deadline_passed ? make_error_code(errc::deadline_exceeded) : e.failure());
-    }
     release_keys_when_idle(e);
     s.forget_endpoint(e);
   }

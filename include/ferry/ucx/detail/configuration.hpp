@@ -28,6 +28,10 @@ inline void check_options(const worker_options& o) {
     throw std::invalid_argument(
         "ferry::ucx::worker_options::max_unclaimed_notifications must be between 1 and 2^24");
   }
+  if (o.handshake_timeout.count() <= 0 || o.handshake_timeout > std::chrono::hours(1)) {
+    throw std::invalid_argument(
+        "ferry::ucx::worker_options::handshake_timeout must be more than 0 and at most 1 h");
+  }
   if (o.liveness_interval.count() < 0 || o.liveness_timeout.count() < 0) {
     throw std::invalid_argument(
         "ferry::ucx::worker_options::liveness_interval and liveness_timeout must not be negative");

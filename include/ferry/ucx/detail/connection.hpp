@@ -1,7 +1,15 @@
 #pragma once
-// Making endpoints: from a peer's worker address, or by host and port through a listener, with
-// hellos that tell each side the regions the other exposes; and importing a peer's regions. A part
-// of engine (engine.hpp). Executor thread only.
+// Making endpoints: from a peer's worker address, or by host and port through ferry's own small
+// handshake; and importing a peer's regions. A part of engine (engine.hpp). Executor thread only.
+//
+// By host and port. UCX's sockaddr connection manager aborts its process when a stranger sends its
+// port a few wrong bytes (a UCX 1.13 assertion), so ferry does not use it. A listener is ferry's
+// own TCP socket; each side of a new connection sends one hello (its identity, its UCX worker
+// address and the regions it exposes), reads the other's, checks every byte of it, and creates its
+// UCX endpoint from the peer's address; then the socket is closed. A hello is bounded (1 MiB, 4096
+// regions), has a deadline (the connect's timeout; handshake_timeout on the listening side), and a
+// listener handles at most max_pending_handshakes at once (more are closed at once). Sockets are
+// non-blocking and the executor parks on them beside UCX's own descriptor (engine::park_fd).
 //
 // Everything a peer sent is checked before UCX sees it: a worker address against this UCX's
 // address format (wire.hpp), a region's packed key for UCX's key structure, and a same-host peer's
@@ -12,11 +20,16 @@
 #include <ucp/api/ucp.h>
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/epoll.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -26,6 +39,7 @@
 #include <system_error>
 #include <vector>
 
+#include "ferry/detail/timer_service.hpp"
 #include "ferry/ucx/detail/endpoint_state.hpp"
 #include "ferry/ucx/detail/request.hpp"
 #include "ferry/ucx/detail/wire.hpp"
@@ -34,35 +48,84 @@
 
 namespace ferry::ucx::detail {
 
-// The hello a side sends when connecting by host and port: the regions it exposes.
-inline std::vector<std::byte> encode_regions(const std::vector<remote_region>& regions) {
-  record_writer w(region_magic);
+inline constexpr std::uint32_t hello_magic = 0x4c485846;  // "FXHL"
+inline constexpr std::size_t max_hello_bytes = std::size_t{1} << 20;
+inline constexpr std::uint32_t max_hello_regions = 4096;
+inline constexpr std::size_t max_pending_handshakes = 64;  // per listener
+
+// What one side of a connection by host and port tells the other.
+struct hello {
+  peer_identity who;
+  std::vector<std::byte> ucx_address;
+  std::vector<remote_region> regions;
+};
+
+// A hello as it goes on the wire: its length (host order, 4 bytes), then the framed record.
+inline std::vector<std::byte> encode_hello(const peer_identity& who,
+                                           std::span<const std::byte> ucx_address,
+                                           std::span<const remote_region> regions) {
+  record_writer w(hello_magic);
+  w.put(who);
+  w.put(static_cast<std::uint32_t>(ucx_address.size()));
+  w.put_bytes(ucx_address);
   w.put(static_cast<std::uint32_t>(regions.size()));
   for (const remote_region& r : regions) {
     const std::vector<std::byte> b = r.to_bytes();
     w.put(static_cast<std::uint32_t>(b.size()));
     w.put_bytes(b);
   }
-  return w.finish();
-}
-
-inline std::vector<remote_region> decode_regions(std::span<const std::byte> bytes) {
-  record_reader r(bytes, region_magic, "region list in a hello");
-  const auto n = r.get<std::uint32_t>();
-  if (n > 4096) {
-    throw std::system_error(make_error_code(errc::bad_descriptor),
-                            "ferry::ucx: a hello lists " + std::to_string(n) +
-                                " regions (at most 4096)");
-  }
-  std::vector<remote_region> out;
-  for (std::uint32_t i = 0; i < n; ++i) {
-    const auto len = r.get<std::uint32_t>();
-    const std::vector<std::byte> b = r.get_bytes(len);
-    out.push_back(remote_region::from_bytes(b));
-  }
-  r.done();
+  const std::vector<std::byte> body = w.finish();
+  const auto n = static_cast<std::uint32_t>(body.size());
+  std::vector<std::byte> out(sizeof n + body.size());
+  std::memcpy(out.data(), &n, sizeof n);
+  std::memcpy(out.data() + sizeof n, body.data(), body.size());
   return out;
 }
+
+// Throws std::system_error (errc::bad_descriptor) naming what is wrong with a peer's hello.
+inline hello decode_hello(std::span<const std::byte> bytes, std::span<const std::byte> own_address) {
+  record_reader r(bytes, hello_magic, "hello from a peer connecting by host and port");
+  const auto refuse = [](const std::string& why) {
+    throw std::system_error(make_error_code(errc::bad_descriptor),
+                            "ferry::ucx: a peer's hello " + why);
+  };
+  hello h;
+  h.who = r.get<peer_identity>();
+  if (h.who.worker_id == 0) refuse("names no worker");
+  const auto address_bytes = r.get<std::uint32_t>();
+  h.ucx_address = r.get_bytes(address_bytes);
+  if (const std::string why = worker_address_problem(h.ucx_address, own_address); !why.empty()) {
+    refuse("has a UCX worker address that " + why);
+  }
+  const auto n = r.get<std::uint32_t>();
+  if (n > max_hello_regions) {
+    refuse("lists " + std::to_string(n) + " regions (at most " +
+           std::to_string(max_hello_regions) + ")");
+  }
+  for (std::uint32_t i = 0; i < n; ++i) {
+    const auto len = r.get<std::uint32_t>();
+    h.regions.push_back(remote_region::from_bytes(r.get_bytes(len)));
+  }
+  r.done();
+  return h;
+}
+
+// A connection by host and port whose hellos are being exchanged.
+struct handshake {
+  int fd = -1;
+  request* connect = nullptr;                // this side connected: its request
+  std::shared_ptr<listener_state> listener;  // the peer connected to this listener
+  std::vector<std::byte> out;                // our hello
+  std::size_t sent = 0;
+  std::vector<std::byte> in;  // the peer's hello: its length, then the record
+  std::size_t got = 0;
+  bool connected = false;  // the TCP connect has completed (a listener's side: at once)
+  struct timer : ferry::detail::timer_node {
+    handshake* owner = nullptr;
+  } deadline;
+  bool armed = false;
+  bool expired = false;
+};
 
 template <class E>
 struct connection {
@@ -109,18 +172,14 @@ struct connection {
       auto it = s.by_worker_.find(e.peer.worker_id);
       if (it != s.by_worker_.end() && it->second == &e) s.by_worker_.erase(it);
     }
-    if (e.accepted_by) {
-      auto& h = e.accepted_by->handshaking;
-      h.erase(std::remove_if(h.begin(), h.end(), [&](const auto& p) { return p.get() == &e; }),
-              h.end());
-    }
     auto& all = s.endpoints_;
     all.erase(std::remove_if(all.begin(), all.end(), [&](const auto& p) { return p.get() == &e; }),
               all.end());
   }
 
-  // Creates an endpoint to a peer whose worker address (from our descriptor) the user carried over.
-  // On the executor thread (a call request).
+  // Creates an endpoint to a peer whose worker address (from our descriptor, or its hello) is
+  // `ucx_address`. Throws std::system_error (errc::bad_descriptor) for an address UCX could not
+  // take safely.
   std::error_code make_endpoint(const std::shared_ptr<endpoint_state>& e,
                                 std::span<const std::byte> ucx_address) {
     E& s = self();
@@ -129,6 +188,7 @@ struct connection {
       throw std::system_error(make_error_code(errc::bad_descriptor),
                               "ferry::ucx: the peer's UCX worker address " + why);
     }
+    s.endpoints_.reserve(s.endpoints_.size() + 1);  // so that the push below cannot throw
     ucp_ep_params_t p = endpoint_params(*e);
     p.field_mask |= UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
     p.address = reinterpret_cast<const ucp_address_t*>(ucx_address.data());
@@ -154,249 +214,376 @@ struct connection {
       return make_error_code(errc::peer_gone);
     }
     imported_region ir{r.address, r.length, nullptr};
+    e.regions.reserve(e.regions.size() + 1);
     if (const ucs_status_t st = ::ucp_ep_rkey_unpack(e.ep, r.packed_key.data(), &ir.rkey);
         st != UCS_OK) {
       return status_error(st);
     }
-    try {
-      e.regions.push_back(ir);
-    } catch (...) {
-      ::ucp_rkey_destroy(ir.rkey);
-      throw;
-    }
+    e.regions.push_back(ir);
     index = static_cast<std::uint32_t>(e.regions.size() - 1);
     return {};
   }
 
-  // ---- listeners
-  static bool resolve(const std::string& host, std::uint16_t port, sockaddr_storage& out,
-                      socklen_t& len) {
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_NUMERICSERV | (host.empty() ? AI_PASSIVE : 0);
-    addrinfo* res = nullptr;
-    const std::string service = std::to_string(port);
-    if (::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &res) != 0 ||
-        res == nullptr) {
-      return false;
-    }
-    std::memcpy(&out, res->ai_addr, res->ai_addrlen);
-    len = static_cast<socklen_t>(res->ai_addrlen);
-    ::freeaddrinfo(res);
-    return true;
-  }
-
+  // ---- listeners: ferry's own TCP sockets
   std::error_code make_listener(const std::shared_ptr<listener_state>& l, const std::string& host,
                                 std::uint16_t port) {
     E& s = self();
     l->eng = &s;
-    sockaddr_storage addr{};
-    socklen_t len = 0;
-    if (!resolve(host, port, addr, len)) return make_error_code(std::errc::invalid_argument);
-    ucp_listener_params_t p{};
-    p.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
-    p.sockaddr.addr = reinterpret_cast<const sockaddr*>(&addr);
-    p.sockaddr.addrlen = len;
-    p.conn_handler.cb = &on_connection_request;
-    p.conn_handler.arg = l.get();
-    if (const ucs_status_t st = ::ucp_listener_create(s.worker_, &p, &l->listener); st != UCS_OK) {
-      return status_error(st);
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_NUMERICSERV | AI_PASSIVE;
+    addrinfo* res = nullptr;
+    const std::string service = std::to_string(port);
+    if (::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &res) != 0 ||
+        res == nullptr) {
+      return make_error_code(std::errc::invalid_argument);
     }
-    ucp_listener_attr_t attr{};
-    attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
-    if (const ucs_status_t st = ::ucp_listener_query(l->listener, &attr); st != UCS_OK) {
-      ::ucp_listener_destroy(l->listener);
-      l->listener = nullptr;
-      return status_error(st);
+    const int fd = ::socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      ::freeaddrinfo(res);
+      return {errno, std::system_category()};
     }
-    const auto* sa = reinterpret_cast<const sockaddr*>(&attr.sockaddr);
-    l->port = sa->sa_family == AF_INET6
-                  ? ntohs(reinterpret_cast<const sockaddr_in6*>(sa)->sin6_port)
-                  : ntohs(reinterpret_cast<const sockaddr_in*>(sa)->sin_port);
-    s.listeners_.push_back(l);
+    const int one = 1;
+    (void)::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    const bool bound = ::bind(fd, res->ai_addr, res->ai_addrlen) == 0 && ::listen(fd, 128) == 0;
+    ::freeaddrinfo(res);
+    sockaddr_storage sa{};
+    socklen_t len = sizeof sa;
+    if (!bound || ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) {
+      const std::error_code ec(errno, std::system_category());
+      ::close(fd);
+      return ec;
+    }
+    l->port = sa.ss_family == AF_INET6 ? ntohs(reinterpret_cast<const sockaddr_in6*>(&sa)->sin6_port)
+                                       : ntohs(reinterpret_cast<const sockaddr_in*>(&sa)->sin_port);
+    l->fd = fd;
+    try {
+      s.listeners_.push_back(l);
+    } catch (...) {
+      ::close(fd);
+      l->fd = -1;
+      throw;
+    }
+    if (!watch(fd, l.get(), EPOLLIN)) {
+      const std::error_code ec(errno, std::system_category());
+      close_listener(*l);
+      return ec;
+    }
     return {};
   }
 
   void close_listener(listener_state& l) noexcept {
     E& s = self();
-    if (l.listener != nullptr) {
-      ::ucp_listener_destroy(l.listener);
-      l.listener = nullptr;
+    if (l.fd >= 0) {
+      (void)::epoll_ctl(s.epfd_, EPOLL_CTL_DEL, l.fd, nullptr);
+      ::close(l.fd);
+      l.fd = -1;
     }
     while (!l.accept_waiters.empty()) {
       request* r = l.accept_waiters.front();
       l.accept_waiters.pop_front();
       s.finish_all(r, make_error_code(errc::endpoint_closed));
     }
-    for (const auto& e : std::vector<std::shared_ptr<endpoint_state>>(l.handshaking)) {
+    // Endpoints made for peers nobody accepted, and handshakes under way, end with it.
+    for (const auto& e : std::exchange(l.ready, {})) {
       s.force_close(*e, make_error_code(errc::endpoint_closed));
     }
-    l.handshaking.clear();
-    l.ready.clear();
+    for (std::size_t i = 0; i < s.handshakes_.size();) {
+      if (s.handshakes_[i]->listener.get() == &l) {
+        end_handshake(i, make_error_code(errc::endpoint_closed));
+      } else {
+        ++i;
+      }
+    }
     auto& all = s.listeners_;
     all.erase(std::remove_if(all.begin(), all.end(), [&](const auto& p) { return p.get() == &l; }),
               all.end());
-  }
-
-  // ---- connecting by host and port
-  void start_connect(request* r) noexcept {
-    E& s = self();
-    auto e = r->endpoint;
-    e->eng = &s;
-    sockaddr_storage addr{};
-    socklen_t len = 0;
-    if (!resolve(r->host, r->port, addr, len)) {
-      return s.finish_all(r, make_error_code(std::errc::invalid_argument));
-    }
-    ucp_ep_params_t p = endpoint_params(*e);
-    p.field_mask |= UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_FLAGS;
-    p.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
-    p.sockaddr.addr = reinterpret_cast<const sockaddr*>(&addr);
-    p.sockaddr.addrlen = len;
-    if (const ucs_status_t st = ::ucp_ep_create(s.worker_, &p, &e->ep); st != UCS_OK) {
-      return s.finish_all(r, status_error(st));
-    }
-    try {
-      s.endpoints_.push_back(e);
-    } catch (...) {
-      s.force_close(*e, make_error_code(std::errc::not_enough_memory));
-      return s.finish_all(r, make_error_code(std::errc::not_enough_memory));
-    }
-    e->connect_waiter = r;
-    s.arm_deadline(r);
-    send_hello(*e, r->hello);
-  }
-
-  struct hello_message {
-    am_header header;
-    std::vector<std::byte> payload;
-  };
-
-  void send_hello(endpoint_state& e, const std::vector<std::byte>& regions) noexcept {
-    E& s = self();
-    auto* h = new (std::nothrow) hello_message;
-    if (h == nullptr) return s.force_close(e, make_error_code(std::errc::not_enough_memory));
-    h->header.kind = am_kind::hello;
-    h->header.sender = s.self_;
-    try {
-      h->payload = regions;
-    } catch (...) {
-      delete h;
-      return s.force_close(e, make_error_code(std::errc::not_enough_memory));
-    }
-    ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                     UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = UCP_AM_SEND_FLAG_REPLY;
-    p.cb.send = [](void* ucx_request, ucs_status_t, void* user) noexcept {
-      // A failed hello shows as the endpoint's error, or as the connect's deadline.
-      ::ucp_request_free(ucx_request);
-      delete static_cast<hello_message*>(user);
-    };
-    p.user_data = h;
-    const ucs_status_ptr_t sp = ::ucp_am_send_nbx(e.ep, am_id, &h->header, sizeof h->header,
-                                                  h->payload.data(), h->payload.size(), &p);
-    if (sp == nullptr) {
-      delete h;
-    } else if (UCS_PTR_IS_ERR(sp)) {
-      delete h;
-      s.force_close(e, status_error(UCS_PTR_STATUS(sp)));
-    }
-  }
-
-  void hello_arrived(ucp_ep_h from, const peer_identity& peer,
-                     std::span<const std::byte> payload) noexcept {
-    E& s = self();
-    std::shared_ptr<endpoint_state> e;
-    for (const auto& c : s.endpoints_) {
-      if (c->ep == from && from != nullptr) e = c;
-    }
-    if (!e || e->phase() != endpoint_phase::connecting) return;
-    e->peer = peer;
-    try {
-      e->peer_regions = decode_regions(payload);
-      register_endpoint(e);
-      for (const remote_region& r : e->peer_regions) {
-        imported_region ir{r.address, r.length, nullptr};
-        if (::ucp_ep_rkey_unpack(e->ep, r.packed_key.data(), &ir.rkey) != UCS_OK) {
-          return s.force_close(*e, make_error_code(errc::handshake_failed));
-        }
-        e->regions.push_back(ir);
-      }
-    } catch (...) {
-      return s.force_close(*e, make_error_code(errc::handshake_failed));
-    }
-    e->move_to(endpoint_phase::open);
-    if (e->connect_waiter != nullptr) {
-      request* r = std::exchange(e->connect_waiter, nullptr);
-      if (r->endpoint_out != nullptr) *r->endpoint_out = e;
-      return s.finish_all(r, {});
-    }
-    if (std::shared_ptr<listener_state> l = e->accepted_by) {
-      auto& h = l->handshaking;
-      h.erase(std::remove(h.begin(), h.end(), e), h.end());
-      send_hello(*e, l->hello);
-      if (e->ep == nullptr) return;
-      if (!l->accept_waiters.empty()) {
-        request* r = l->accept_waiters.front();
-        l->accept_waiters.pop_front();
-        *r->endpoint_out = e;
-        return s.finish_all(r, {});
-      }
-      try {
-        l->ready.push_back(e);
-      } catch (...) {
-        s.force_close(*e, make_error_code(std::errc::not_enough_memory));
-      }
-    }
-  }
-
-  static void on_connection_request(ucp_conn_request_h cr, void* arg) noexcept {
-    auto* l = static_cast<listener_state*>(arg);
-    static_cast<E*>(l->eng)->accept_connection(*l, cr);
-  }
-
-  void accept_connection(listener_state& l, ucp_conn_request_h cr) noexcept {
-    E& s = self();
-    std::shared_ptr<listener_state> owner;
-    for (const auto& p : s.listeners_) {
-      if (p.get() == &l) owner = p;
-    }
-    if (!owner) {
-      (void)::ucp_listener_reject(l.listener, cr);
-      return;
-    }
-    std::shared_ptr<endpoint_state> e;
-    try {
-      e = std::make_shared<endpoint_state>();
-      e->eng = &s;
-      e->accepted_by = owner;
-      ucp_ep_params_t p = endpoint_params(*e);
-      p.field_mask |= UCP_EP_PARAM_FIELD_CONN_REQUEST;
-      p.conn_request = cr;
-      if (::ucp_ep_create(s.worker_, &p, &e->ep) != UCS_OK) return;
-      s.endpoints_.push_back(e);
-      owner->handshaking.push_back(e);
-    } catch (...) {
-      if (e && e->ep != nullptr) s.force_close(*e, make_error_code(std::errc::not_enough_memory));
-    }
   }
 
   void start_accept(request* r) noexcept {
     E& s = self();
     listener_state& l = *r->listener;
     if (!l.ready.empty()) {
-      *r->endpoint_out = l.ready.front();
+      std::shared_ptr<endpoint_state> e = std::move(l.ready.front());
       l.ready.pop_front();
-      return s.finish_all(r, {});
+      return hand_over(r, std::move(e));
     }
-    if (l.listener == nullptr) return s.finish_all(r, make_error_code(errc::endpoint_closed));
-    s.arm_deadline(r);
+    if (l.fd < 0) return s.finish_all(r, make_error_code(errc::endpoint_closed));
     try {
       l.accept_waiters.push_back(r);
     } catch (...) {
-      s.finish_all(r, make_error_code(std::errc::not_enough_memory));
+      return s.finish_all(r, make_error_code(std::errc::not_enough_memory));
+    }
+    s.arm_deadline(r);
+  }
+
+  // Ends a connect or accept with `e`. A caller that dropped its pending endpoint without taking
+  // it will never take `e`: the flag says so (set before the caller looks at the transfer a last
+  // time; seq_cst on both sides, so at least one of the two sees the other and closes `e`).
+  void hand_over(request* r, std::shared_ptr<endpoint_state> e) noexcept {
+    E& s = self();
+    *r->endpoint_out = e;
+    const std::shared_ptr<connect_result> result = r->result;
+    s.finish_all(r, {});
+    if (result && result->dropped.load(std::memory_order_seq_cst)) {
+      s.force_close(*e, make_error_code(errc::endpoint_closed));
+    }
+  }
+
+  // ---- connecting by host and port
+  void start_connect(request* r) noexcept {
+    E& s = self();
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_NUMERICSERV;
+    addrinfo* res = nullptr;
+    const std::string service = std::to_string(r->port);
+    if (::getaddrinfo(r->host.c_str(), service.c_str(), &hints, &res) != 0 || res == nullptr) {
+      note(r, "cannot resolve the host");
+      return s.finish_all(r, make_error_code(std::errc::invalid_argument));
+    }
+    const int fd = ::socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    const bool started = fd >= 0 && (::connect(fd, res->ai_addr, res->ai_addrlen) == 0 ||
+                                     errno == EINPROGRESS);
+    const std::error_code ec(errno, std::system_category());
+    ::freeaddrinfo(res);
+    if (!started) {
+      if (fd >= 0) ::close(fd);
+      return s.finish_all(r, ec);
+    }
+    // The request's deadline is its handshake's (the request itself arms no timer).
+    handshake* h = add_handshake(fd, r->expose, r->deadline, r->has_deadline);
+    if (h == nullptr) {
+      ::close(fd);
+      return s.finish_all(r, make_error_code(std::errc::not_enough_memory));
+    }
+    h->connect = r;
+  }
+
+  // ---- handshakes
+  // Whether the executor must look at the sockets (a listener or a handshake exists).
+  [[nodiscard]] bool sockets_watched() const noexcept {
+    const E& s = static_cast<const E&>(*this);
+    return !s.listeners_.empty() || !s.handshakes_.empty();
+  }
+
+  // Handles what the sockets have for us; returns how much it did.
+  std::size_t poll_sockets() noexcept {
+    E& s = self();
+    std::size_t n = 0;
+    epoll_event ev[32];
+    const int k = ::epoll_wait(s.epfd_, ev, 32, 0);
+    for (int i = 0; i < k; ++i) {
+      void* p = ev[i].data.ptr;
+      if (p == nullptr) continue;  // UCX's own descriptor: progress handles it
+      ++n;
+      bool is_listener = false;
+      for (const auto& l : s.listeners_) is_listener = is_listener || l.get() == p;
+      if (is_listener) {
+        accept_connections(*static_cast<listener_state*>(p));
+        continue;
+      }
+      for (std::size_t j = 0; j < s.handshakes_.size(); ++j) {
+        if (s.handshakes_[j].get() == p) {
+          step_handshake(j);
+          break;
+        }
+      }
+    }
+    for (std::size_t j = 0; j < s.handshakes_.size();) {
+      if (!s.handshakes_[j]->expired) {
+        ++j;
+        continue;
+      }
+      ++n;
+      end_handshake(j, make_error_code(errc::deadline_exceeded));
+    }
+    return n;
+  }
+
+  void accept_connections(listener_state& l) noexcept {
+    E& s = self();
+    std::shared_ptr<listener_state> owner;
+    for (const auto& p : s.listeners_) {
+      if (p.get() == &l) owner = p;
+    }
+    for (int i = 0; i < 64 && owner && l.fd >= 0; ++i) {
+      const int fd = ::accept4(l.fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0) return;  // EAGAIN: none left; anything else: the next round tries again
+      std::size_t pending = 0;
+      for (const auto& h : s.handshakes_) pending += h->listener.get() == &l ? 1u : 0u;
+      if (pending >= max_pending_handshakes) {
+        ::close(fd);  // a flood of strangers does not grow this side's memory
+        continue;
+      }
+      handshake* h = add_handshake(fd, l.expose, ferry::detail::clock::now() + s.handshake_timeout_,
+                                   true);
+      if (h == nullptr) {
+        ::close(fd);
+        continue;
+      }
+      h->listener = owner;
+      h->connected = true;
+    }
+  }
+
+  handshake* add_handshake(int fd, const std::vector<remote_region>& expose,
+                           ferry::detail::clock::time_point deadline, bool has_deadline) noexcept {
+    E& s = self();
+    try {
+      auto h = std::make_unique<handshake>();
+      h->fd = fd;
+      h->out = encode_hello(s.self_, s.ucx_address_, expose);
+      s.handshakes_.reserve(s.handshakes_.size() + 1);
+      if (!watch(fd, h.get(), EPOLLIN | EPOLLOUT)) return nullptr;
+      if (has_deadline) {
+        h->deadline.owner = h.get();
+        h->deadline.deadline = deadline;
+        h->deadline.fire = [](ferry::detail::timer_node* t) noexcept {
+          static_cast<handshake::timer*>(t)->owner->expired = true;
+        };
+        s.exec_.timers().arm(h->deadline);
+        h->armed = true;
+      }
+      s.handshakes_.push_back(std::move(h));
+      return s.handshakes_.back().get();
+    } catch (...) {
+      (void)::epoll_ctl(s.epfd_, EPOLL_CTL_DEL, fd, nullptr);
+      return nullptr;
+    }
+  }
+
+  // Sends and reads what the socket of handshakes_[i] allows; ends it when both hellos have
+  // crossed, or when it failed.
+  void step_handshake(std::size_t i) noexcept {
+    E& s = self();
+    handshake& h = *s.handshakes_[i];
+    if (!h.connected) {
+      int err = 0;
+      socklen_t len = sizeof err;
+      if (::getsockopt(h.fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
+      if (err == EINPROGRESS) return;
+      if (err != 0) {
+        note(h.connect, std::string("connecting: ") + std::strerror(err));
+        return end_handshake(i, {err, std::system_category()});
+      }
+      h.connected = true;
+    }
+    while (h.sent < h.out.size()) {
+      const ssize_t w = ::send(h.fd, h.out.data() + h.sent, h.out.size() - h.sent, MSG_NOSIGNAL);
+      if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+      if (w <= 0) return end_handshake(i, {errno, std::system_category()});
+      h.sent += static_cast<std::size_t>(w);
+    }
+    for (;;) {
+      // First the length (4 bytes), then that many; never more than max_hello_bytes.
+      std::size_t want = sizeof(std::uint32_t);
+      if (h.got >= want) {
+        std::uint32_t n = 0;
+        std::memcpy(&n, h.in.data(), sizeof n);
+        if (n == 0 || n > max_hello_bytes) {
+          note(h.connect, "the peer sent a hello of " + std::to_string(n) + " bytes");
+          return end_handshake(i, make_error_code(errc::handshake_failed));
+        }
+        want += n;
+      }
+      if (h.got == want) break;
+      try {
+        h.in.resize(want);
+      } catch (...) {
+        return end_handshake(i, make_error_code(std::errc::not_enough_memory));
+      }
+      const ssize_t r = ::recv(h.fd, h.in.data() + h.got, want - h.got, 0);
+      if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+      if (r == 0) {
+        note(h.connect, "the peer closed the connection before its hello was complete");
+        return end_handshake(i, make_error_code(errc::handshake_failed));
+      }
+      if (r < 0) return end_handshake(i, {errno, std::system_category()});
+      h.got += static_cast<std::size_t>(r);
+    }
+    if (h.sent < h.out.size()) return;  // ours still going out
+    complete_handshake(i);
+  }
+
+  // Both hellos have crossed: the peer's is checked, and its endpoint made.
+  void complete_handshake(std::size_t i) noexcept {
+    E& s = self();
+    handshake& h = *s.handshakes_[i];
+    std::shared_ptr<endpoint_state> e;
+    try {
+      hello peer = decode_hello(std::span(h.in).subspan(sizeof(std::uint32_t)), s.ucx_address_);
+      e = std::make_shared<endpoint_state>();
+      e->peer = peer.who;
+      if (const std::error_code ec = make_endpoint(e, peer.ucx_address)) {
+        note(h.connect, "creating the UCX endpoint from the peer's address");
+        return end_handshake(i, ec);
+      }
+      for (const remote_region& r : peer.regions) {
+        std::uint32_t index = 0;
+        if (const std::error_code ec = import_region(*e, r, index)) {
+          s.force_close(*e, ec);
+          note(h.connect, "importing the peer's regions");
+          return end_handshake(i, ec);
+        }
+      }
+      e->peer_regions = std::move(peer.regions);
+    } catch (const std::system_error& x) {
+      note(h.connect, x.what());
+      if (e) s.force_close(*e, x.code());
+      return end_handshake(i, x.code());
+    } catch (...) {
+      if (e) s.force_close(*e, make_error_code(std::errc::not_enough_memory));
+      return end_handshake(i, make_error_code(std::errc::not_enough_memory));
+    }
+    if (request* connect = h.connect) {
+      h.connect = nullptr;
+      hand_over(connect, e);
+    } else if (listener_state& l = *h.listener; !l.accept_waiters.empty()) {
+      request* accept = l.accept_waiters.front();
+      l.accept_waiters.pop_front();
+      hand_over(accept, e);
+    } else {
+      try {
+        l.ready.push_back(e);
+      } catch (...) {
+        s.force_close(*e, make_error_code(std::errc::not_enough_memory));
+      }
+    }
+    end_handshake(i, {});
+  }
+
+  // Ends handshakes_[i]: its socket closed, its connect (if any) failed with `ec`.
+  void end_handshake(std::size_t i, std::error_code ec) noexcept {
+    E& s = self();
+    std::unique_ptr<handshake> h = std::move(s.handshakes_[i]);
+    s.handshakes_.erase(s.handshakes_.begin() + static_cast<std::ptrdiff_t>(i));
+    if (h->armed) (void)s.exec_.timers().cancel(h->deadline);
+    (void)::epoll_ctl(s.epfd_, EPOLL_CTL_DEL, h->fd, nullptr);
+    ::close(h->fd);
+    if (request* r = h->connect) {
+      s.finish_all(r, ec == errc::deadline_exceeded || r->deadline_passed
+                          ? make_error_code(errc::deadline_exceeded)
+                          : (ec ? ec : make_error_code(errc::handshake_failed)));
+    }
+  }
+
+  bool watch(int fd, void* tag, std::uint32_t events) noexcept {
+    epoll_event ev{};
+    ev.events = events;
+    ev.data.ptr = tag;
+    return ::epoll_ctl(self().epfd_, EPOLL_CTL_ADD, fd, &ev) == 0;
+  }
+
+  // Why a connect failed, in words, for the caller's exception.
+  static void note(request* r, const std::string& what) noexcept {
+    if (r == nullptr || r->call_error_out == nullptr) return;
+    try {
+      *r->call_error_out = what;
+    } catch (...) {
+      // No memory for the text: the error code alone says what failed.
     }
   }
 };

@@ -3,8 +3,7 @@
 //
 //   phase       UCX's endpoint              requests                      a UCS_OK from UCX
 //   ----------  --------------------------  ----------------------------  ----------------------
-//   connecting  made, hellos not exchanged  only the connect or accept    -
-//                                           that made it
+//   created     not yet made                refused                       -
 //   open        carries requests            accepted                      ends a member success
 //   closing     a close is flushing it      refused (endpoint_closed);    ends a member success
 //                                           those out end as they would
@@ -15,8 +14,8 @@
 //
 //   transition             made by                                 who can race it
 //   ---------------------  --------------------------------------  -----------------------------------
-//   connecting -> open     hello_arrived (the executor)            nothing: UCX calls back on the
-//                                                                  executor thread only
+//   created -> open        make_endpoint (the executor), once      nothing: UCX calls back on the
+//                          UCX made it                             executor thread only
 //   open -> closing        start_close (executor)                  nothing
 //   closing -> closed      close_go_on, without peer error         nothing
 //                          handling (UCX cannot force-close)
@@ -60,17 +59,17 @@ namespace ferry::ucx::detail {
 class engine;
 struct request;
 
-enum class endpoint_phase : std::uint8_t { connecting, open, closing, closed, broken };
+enum class endpoint_phase : std::uint8_t { created, open, closing, closed, broken };
 
 // The table above, as the one test every transition passes.
 [[nodiscard]] constexpr bool legal_transition(endpoint_phase from, endpoint_phase to) noexcept {
   using enum endpoint_phase;
   switch (to) {
-    case open: return from == connecting;
+    case open: return from == created;
     case closing: return from == open;
     case closed: return from == closing;
     case broken: return from != broken;
-    case connecting: return false;
+    case created: return false;
   }
   return false;
 }
@@ -88,8 +87,6 @@ struct endpoint_state {
   // A peer in this process's PID namespace on this host: open until the state goes, so that a
   // request ending after the endpoint broke still sees whether the peer has exited.
   int peer_pidfd = -1;
-  request* connect_waiter = nullptr;  // connect by host and port, until the peer's hello
-  std::shared_ptr<struct listener_state> accepted_by;
   std::vector<imported_region> regions;  // executor only after connect
   std::deque<std::uint64_t> notifications;  // arrived, not yet taken; bounded
   std::uint64_t notifications_refused = 0;  // past the bound (executor; read by the stats call)
@@ -143,20 +140,20 @@ struct endpoint_state {
   }
 
  private:
-  endpoint_phase phase_ = endpoint_phase::connecting;
+  endpoint_phase phase_ = endpoint_phase::created;
   mutable std::mutex failure_mutex_;
   std::error_code failure_;
   std::atomic<bool> failed_{false};
 };
 
+// A listener by host and port (connection.hpp): ferry's own TCP socket.
 struct listener_state {
   engine* eng = nullptr;
-  ucp_listener_h listener = nullptr;
+  int fd = -1;  // -1 once closed
   std::uint16_t port = 0;
-  std::vector<std::byte> hello;  // what accepted peers are told
-  std::deque<std::shared_ptr<endpoint_state>> ready;
+  std::vector<remote_region> expose;  // what accepted peers are told
+  std::deque<std::shared_ptr<endpoint_state>> ready;  // connected, not yet accepted
   std::deque<request*> accept_waiters;
-  std::vector<std::shared_ptr<endpoint_state>> handshaking;
 };
 
 }  // namespace ferry::ucx::detail

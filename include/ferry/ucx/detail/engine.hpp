@@ -14,11 +14,13 @@
 //   closing.hpp        graceful and forced closes, and request deadlines
 //   notifications.hpp  notifications with acknowledgements; every active message received
 //   liveness.hpp       watched same-host peers (pidfd) and pings of stopped peers
-//   connection.hpp     endpoints from addresses or by host and port; imported regions
+//   connection.hpp     endpoints from addresses, or by host and port through ferry's own
+//                      handshake; imported regions
 // An endpoint's lifecycle is one phase with its legal transitions (endpoint_state.hpp).
 
 #include <ucp/api/ucp.h>
 
+#include <sys/epoll.h>
 #include <unistd.h>
 
 #include <array>
@@ -79,6 +81,16 @@ class engine : public submission<engine>,
     worker_ = make_worker(context_->context);
     try {
       check_status(::ucp_worker_get_efd(worker_, &efd_), "ucp_worker_get_efd");
+      // The executor parks on one descriptor: UCX's, and the sockets of connections by host and
+      // port (connection.hpp), in one epoll set. UCX's is tagged null.
+      epfd_ = ::epoll_create1(EPOLL_CLOEXEC);
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      ev.data.ptr = nullptr;
+      if (epfd_ < 0 || ::epoll_ctl(epfd_, EPOLL_CTL_ADD, efd_, &ev) != 0) {
+        throw std::system_error(errno, std::system_category(),
+                                "ferry::ucx: the executor's epoll set (epoll_create1, epoll_ctl)");
+      }
       ucp_am_handler_param_t hp{};
       hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
                       UCP_AM_HANDLER_PARAM_FIELD_ARG;
@@ -102,6 +114,7 @@ class engine : public submission<engine>,
       liveness_interval_ = options.liveness_interval;
       liveness_timeout_ = options.liveness_timeout;
       close_timeout_ = options.close_timeout;
+      handshake_timeout_ = options.handshake_timeout;
       max_unclaimed_ = options.max_unclaimed_notifications;
       for (auto [header, kind] : {std::pair{&ping_header_, am_kind::ping},
                                   std::pair{&pong_header_, am_kind::pong}}) {
@@ -111,6 +124,7 @@ class engine : public submission<engine>,
         std::memcpy(header->data(), &h, sizeof h);
       }
     } catch (...) {
+      if (epfd_ >= 0) ::close(epfd_);
       ::ucp_worker_destroy(worker_);
       throw;
     }
@@ -128,10 +142,11 @@ class engine : public submission<engine>,
     for (const auto& e : std::vector<std::shared_ptr<endpoint_state>>(endpoints_)) {
       force_close(*e, make_error_code(errc::worker_closed));
     }
-    // close_listener takes each off listeners_.
+    // close_listener takes each off listeners_; end_handshake each off handshakes_.
     for (const auto& l : std::vector<std::shared_ptr<listener_state>>(listeners_)) {
       close_listener(*l);
     }
+    while (!handshakes_.empty()) end_handshake(0, make_error_code(errc::worker_closed));
     (void)run_deferred();  // closes whose flushes the force-closes above cancelled
     if (liveness_armed_) (void)exec_.timers().cancel(liveness_timer_);
     // Requests UCX still holds (kept after a force-close, or on endpoints closed without force)
@@ -148,6 +163,7 @@ class engine : public submission<engine>,
       if (r->has_deadline) (void)exec_.timers().cancel(r->timer);
       delete r;
     }
+    ::close(epfd_);
   }
 
   [[nodiscard]] const std::shared_ptr<context_holder>& context() const noexcept { return context_; }
@@ -180,9 +196,11 @@ class engine : public submission<engine>,
       n += events;
     }
     n += liveness_round();
+    // One epoll_wait a round, only while a listener or a handshake exists.
+    if (sockets_watched()) n += poll_sockets();
     return n + run_deferred();
   }
-  [[nodiscard]] int park_fd() const noexcept { return efd_; }
+  [[nodiscard]] int park_fd() const noexcept { return epfd_; }
   // UCS_ERR_BUSY: events are waiting, progress instead of sleeping.
   bool arm() noexcept {
     return incoming_.empty() && deadlines_due_ == nullptr && closes_flushed_ == nullptr &&
@@ -223,7 +241,8 @@ class engine : public submission<engine>,
   progress_executor& exec_;
   std::shared_ptr<context_holder> context_;
   ucp_worker_h worker_ = nullptr;
-  int efd_ = -1;
+  int efd_ = -1;   // UCX's
+  int epfd_ = -1;  // what the executor parks on: efd_ and the handshakes' sockets
   bool peer_errors_ = true;
   ferry::metrics::backend_meter meter_;
   peer_identity self_;
@@ -235,6 +254,8 @@ class engine : public submission<engine>,
   std::atomic<std::size_t> abandoned_count_{0};  // abandoned_, for any thread
   std::vector<std::shared_ptr<endpoint_state>> endpoints_;
   std::vector<std::shared_ptr<listener_state>> listeners_;
+  std::vector<std::unique_ptr<handshake>> handshakes_;  // connections by host and port under way
+  std::chrono::milliseconds handshake_timeout_{};
   std::unordered_map<std::uint64_t, endpoint_state*> by_worker_;
   std::unordered_map<std::uint64_t, early_queue> early_notifications_;
   std::unordered_map<std::uint64_t, request*> acks_due_;  // notifications by sequence

@@ -1,6 +1,6 @@
 #pragma once
 // Active messages between ferry workers: notifications and their acknowledgements, and the routing
-// of every message ferry receives (hellos and liveness pings go to their parts). A part of engine
+// of every message ferry receives (liveness pings go to their part). A part of engine
 // (engine.hpp). Executor thread only.
 //
 // A notification is a flush of its endpoint (every put sent before it has landed), then an active
@@ -221,7 +221,8 @@ struct notifications {
     if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) return UCS_OK;  // never sent so
     const ucp_ep_h reply =
         (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 ? param->reply_ep : nullptr;
-    const std::span<const std::byte> payload(static_cast<const std::byte*>(data), data_bytes);
+    (void)data;
+    (void)data_bytes;  // ferry's messages carry everything in their header
     switch (h.kind) {
       case am_kind::notification: {
         const bool kept = s.notification_arrived(h.sender.worker_id, h.value);
@@ -240,9 +241,6 @@ struct notifications {
       case am_kind::ping:
       case am_kind::pong:
         s.liveness_message(h);
-        return UCS_OK;
-      case am_kind::hello:
-        s.hello_arrived(reply, h.sender, payload);
         return UCS_OK;
     }
     return UCS_OK;  // a kind this version does not know: dropped

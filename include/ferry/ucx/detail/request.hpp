@@ -11,6 +11,7 @@
 
 #include <ucp/api/ucp.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -25,6 +26,7 @@
 #include "ferry/transfer_state.hpp"
 #include "ferry/ucx/memory_region.hpp"
 #include "ferry/ucx/options.hpp"
+#include "ferry/ucx/remote.hpp"
 
 namespace ferry::ucx::detail {
 
@@ -37,13 +39,23 @@ enum class request_kind : std::uint8_t {
   get,
   notify,             // flush the endpoint, then send the notification
   wait_notification,  // the next notification the peer sends
-  connect,            // by host and port: create the endpoint, exchange hellos
+  connect,            // by host and port: exchange hellos, then create the endpoint
   accept,             // the next endpoint a listener has finished the exchange with
   close,              // flush, then close an endpoint (from its last handle, or close())
   call,               // run a function on the executor thread (creating objects)
 };
 
 struct request;
+
+// What a connect or accept by host and port ends with, shared by its request and the caller's
+// pending_endpoint (worker.hpp).
+struct connect_result {
+  std::shared_ptr<endpoint_state> out;  // written before the request's transfer ends
+  std::string error;                    // likewise: why it failed, in words
+  // The caller let go of its pending_endpoint without taking the endpoint: whoever sees the
+  // success and this both (the executor, or the caller's destructor) closes it; twice is harmless.
+  std::atomic<bool> dropped{false};
+};
 
 // One transfer of a request: a batch has several, everything else one.
 struct member {
@@ -94,11 +106,13 @@ struct request {
   std::uint64_t* value_out = nullptr;
   std::function<std::error_code()> call;
   std::string* call_error_out = nullptr;  // where a call's exception message goes
+  std::shared_ptr<connect_result> result;  // connect, accept: what endpoint_out and call_error_out
+                                          // point into
   std::shared_ptr<endpoint_state>* endpoint_out = nullptr;  // accept, connect
   // connect
   std::string host;
   std::uint16_t port = 0;
-  std::vector<std::byte> hello;  // what this side tells the peer
+  std::vector<remote_region> expose;  // what this side tells the peer
   alignas(8) unsigned char header[64];  // an active message's header, which UCX may read later
 
   request() = default;

@@ -101,7 +101,7 @@ inline constexpr unsigned am_id = 0x6665;
 inline constexpr std::uint32_t am_magic = 0x4d415846;  // "FXAM"
 enum class am_kind : std::uint32_t {
   notification = 1,  // value: the user's; sequence: what the ack names
-  hello = 2,         // connecting by host and port: the regions a side exposes
+  // 2 was the hello of UCX's connection manager, which ferry no longer uses (connection.hpp)
   ping = 3,
   pong = 4,
   ack = 5,  // a notification was taken (flags: ack_refused when the receiver's queue was full)
