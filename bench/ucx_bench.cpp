@@ -194,6 +194,24 @@ latency ferry_latency(ferry_pair& p, const config& c) {
   return make_latency(us, cpu_seconds() - c0);
 }
 
+// A notification at depth 1: the receiver's wait is posted first; the figure is from the send until
+// the sender's transfer has ended (it ends once the receiver holds the notification).
+latency ferry_notify_latency(ferry_pair& p, const config& c) {
+  std::vector<double> us;
+  us.reserve(static_cast<std::size_t>(c.latency_ops));
+  const double c0 = cpu_seconds();
+  for (int i = 0; i < c.latency_ops; ++i) {
+    std::uint64_t v = 0;
+    ferry::transfer w = p.to_initiator.receive_notification(v, 60s);
+    const auto t0 = clk::now();
+    ferry::transfer n = p.to_target.send_notification(static_cast<std::uint64_t>(i), 60s);
+    check(n, "notification");
+    us.push_back(micros(clk::now() - t0));
+    check(w, "notification wait");
+  }
+  return make_latency(us, cpu_seconds() - c0);
+}
+
 // ------------------------------------------------------------------------------------------ raw
 
 void ucs_check(ucs_status_t s, const char* what) {
@@ -434,7 +452,7 @@ std::string size_name(std::size_t n) {
 void run(const std::string& transports, const config& c) {
   const op ops[] = {op::put_landed, op::put_batch_landed, op::put_reusable, op::get};
   std::vector<point> ferry_points, raw_points;
-  latency fl, rl;
+  latency fl, rl, fn;
   {
     ferry_pair p(transports, c.region);
     for (int i = 0; i < 16; ++i) {  // connects the lanes before anything is timed
@@ -445,6 +463,7 @@ void run(const std::string& transports, const config& c) {
       for (std::size_t s : c.sizes) ferry_points.push_back(ferry_bandwidth(p, o, s, c));
     }
     fl = ferry_latency(p, c);
+    fn = ferry_notify_latency(p, c);
   }
   {
     raw_pair p(transports, c.region);
@@ -481,6 +500,10 @@ void run(const std::string& transports, const config& c) {
               rl.p99_us, rl.cpu_us);
   std::printf("| ferry/raw | %.2f | %.2f | %.2f |\n", fl.median_us / rl.median_us,
               fl.p99_us / rl.p99_us, fl.cpu_us / rl.cpu_us);
+  std::printf("\n| notification, depth 1 (%d ops) | median µs | p99 µs | CPU µs/op |\n"
+              "|---|---|---|---|\n| ferry send_notification → its transfer ends | %.1f | %.1f | "
+              "%.1f |\n",
+              c.latency_ops, fn.median_us, fn.p99_us, fn.cpu_us);
   std::fflush(stdout);
 }
 

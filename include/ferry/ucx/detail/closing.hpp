@@ -111,7 +111,7 @@ struct closing {
         s.closes_due_.emplace_back(std::move(keep), why);
       }
     } catch (...) {
-      // No memory to list it: the next request on it finds the death on arrival (admission).
+      // No memory to list it: each request on it still fails at its end (doubt).
     }
   }
 

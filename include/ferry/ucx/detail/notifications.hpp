@@ -37,7 +37,7 @@ struct notifications {
   // ---- sending
   void start_notify(request* r) noexcept {
     E& s = self();
-    if (const std::error_code ec = s.admission(r)) return s.finish_all(r, ec);
+    if (const std::error_code ec = s.refusal(r)) return s.finish_all(r, ec);
     s.arm_deadline(r);
     r->members[0].outstanding = 1;
     s.start_flush(r);

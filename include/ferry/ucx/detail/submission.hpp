@@ -10,7 +10,6 @@
 
 #include "ferry/ucx/detail/endpoint_state.hpp"
 #include "ferry/ucx/detail/request.hpp"
-#include "ferry/ucx/detail/wire.hpp"
 #include "ferry/ucx/errors.hpp"
 #include "ferry/ucx/options.hpp"
 
@@ -26,17 +25,6 @@ struct submission {
     if (r->endpoint->carries_requests()) return {};
     const std::error_code f = r->endpoint->failure();
     return f ? f : make_error_code(errc::endpoint_closed);
-  }
-
-  // Why `r` cannot go out now, refusing it: its endpoint cannot take it, or its watched peer has
-  // exited (then the endpoint is force-closed first: UCX 1.13 crashes touching a dead
-  // shared-memory peer's segment, and reports success into it).
-  std::error_code admission(request* r) noexcept {
-    if (const std::error_code ec = refusal(r)) return ec;
-    endpoint_state& e = *r->endpoint;
-    if (!process_exited(e.peer_pidfd)) return {};
-    self().force_close(e, make_error_code(errc::peer_gone));
-    return make_error_code(errc::peer_gone);
   }
 
   // Why member `m` cannot go out on `e`; empty when it can. `rkey` is set when it can.
@@ -58,7 +46,7 @@ struct submission {
 
   void start_rma(request* r) noexcept {
     E& s = self();
-    if (const std::error_code ec = admission(r)) return s.finish_all(r, ec);
+    if (const std::error_code ec = refusal(r)) return s.finish_all(r, ec);
     endpoint_state& e = *r->endpoint;
     s.arm_deadline(r);
     const bool put = r->kind == request_kind::put;
