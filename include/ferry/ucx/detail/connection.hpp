@@ -39,6 +39,7 @@
 #include <system_error>
 #include <vector>
 
+#include "ferry/detail/socket.hpp"
 #include "ferry/detail/timer_service.hpp"
 #include "ferry/ucx/detail/endpoint_state.hpp"
 #include "ferry/ucx/detail/request.hpp"
@@ -229,28 +230,18 @@ struct connection {
                                 std::uint16_t port) {
     E& s = self();
     l->eng = &s;
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_NUMERICSERV | AI_PASSIVE;
-    addrinfo* res = nullptr;
-    const std::string service = std::to_string(port);
-    if (::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &res) != 0 ||
-        res == nullptr) {
-      return make_error_code(std::errc::invalid_argument);
-    }
-    const int fd = ::socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (fd < 0) {
-      ::freeaddrinfo(res);
-      return {errno, std::system_category()};
-    }
-    const int one = 1;
-    (void)::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    const bool bound = ::bind(fd, res->ai_addr, res->ai_addrlen) == 0 && ::listen(fd, 128) == 0;
-    ::freeaddrinfo(res);
+    const int fd = ferry::detail::for_each_address(
+        host, port, AI_PASSIVE, make_error_code(std::errc::invalid_argument),
+        "ferry::ucx::worker::listen", [](int candidate, const addrinfo& a) {
+          const int one = 1;
+          (void)::setsockopt(candidate, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+          return ::bind(candidate, a.ai_addr, a.ai_addrlen) == 0 && ::listen(candidate, 128) == 0 &&
+                 ferry::detail::set_nonblocking(candidate);
+        });
+    if (fd < 0) return {errno, std::system_category()};
     sockaddr_storage sa{};
     socklen_t len = sizeof sa;
-    if (!bound || ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) {
+    if (::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) {
       const std::error_code ec(errno, std::system_category());
       ::close(fd);
       return ec;
@@ -334,25 +325,21 @@ struct connection {
   // ---- connecting by host and port
   void start_connect(request* r) noexcept {
     E& s = self();
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_NUMERICSERV;
-    addrinfo* res = nullptr;
-    const std::string service = std::to_string(r->port);
-    if (::getaddrinfo(r->host.c_str(), service.c_str(), &hints, &res) != 0 || res == nullptr) {
-      note(r, "cannot resolve the host");
-      return s.finish_all(r, make_error_code(std::errc::invalid_argument));
+    int fd = -1;
+    try {
+      fd = ferry::detail::for_each_address(
+          r->host, r->port, 0, make_error_code(std::errc::invalid_argument),
+          "resolving the host", [](int candidate, const addrinfo& a) {
+            return ferry::detail::set_nonblocking(candidate) &&
+                   (::connect(candidate, a.ai_addr, a.ai_addrlen) == 0 || errno == EINPROGRESS);
+          });
+    } catch (const std::system_error& e) {
+      note(r, e.what());
+      return s.finish_all(r, e.code());
+    } catch (...) {
+      return s.finish_all(r, make_error_code(std::errc::not_enough_memory));
     }
-    const int fd = ::socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    const bool started = fd >= 0 && (::connect(fd, res->ai_addr, res->ai_addrlen) == 0 ||
-                                     errno == EINPROGRESS);
-    const std::error_code ec(errno, std::system_category());
-    ::freeaddrinfo(res);
-    if (!started) {
-      if (fd >= 0) ::close(fd);
-      return s.finish_all(r, ec);
-    }
+    if (fd < 0) return s.finish_all(r, {errno, std::system_category()});
     // The request's deadline is its handshake's (the request itself arms no timer).
     handshake* h = add_handshake(fd, r->expose, r->deadline, r->has_deadline);
     if (h == nullptr) {
