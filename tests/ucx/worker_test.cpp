@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -797,4 +798,85 @@ TEST_CASE("ucx: connecting by host and port fails by name: nothing listening, a 
   stop = true;
   garbage.join();
   ::close(server);
+}
+
+// Found by review: the worker-id route held one endpoint per peer, so a second endpoint to the same
+// peer took the route and closing it left the first one deaf (its notifications went unclaimed
+// while their sender was told success).
+TEST_CASE("ucx: two endpoints to one peer: closing one leaves the other receiving notifications",
+          "[ucx]") {
+  side a("tcp"), b("tcp");
+  ucx::endpoint first = a.worker.connect(b.worker.address());
+  ucx::endpoint second = a.worker.connect(b.worker.address());
+  ucx::endpoint back = b.worker.connect(a.worker.address());
+  second.close();
+  std::uint64_t v = 0;
+  auto w = first.receive_notification(v, 10s);
+  auto n = back.send_notification(77, 10s);
+  REQUIRE(n.wait_for(hang_bound) == transfer_state::success);
+  REQUIRE(w.wait_for(hang_bound) == transfer_state::success);
+  CHECK(v == 77);
+}
+
+// Found by review: a handshake socket stayed watched for writability after its hello went out,
+// which kept the executor's park descriptor ready: one silent connection spun a core.
+TEST_CASE("ucx: a listener with a silent connection lets its executor park", "[ucx]") {
+  side b("tcp");
+  auto l = b.worker.listen("127.0.0.1", 0, {});
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(l.port());
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0);
+  std::this_thread::sleep_for(100ms);  // accepted, our hello sent, the stranger silent
+  bool parked = false;
+  for (int i = 0; i < 5 && !parked; ++i) parked = !counters_over_100ms(b.exec).went_round();
+  CHECK(parked);
+  ::close(fd);
+}
+
+// Found by review: without peer error handling, close() hands the endpoint to UCX to flush, and the
+// last handle going afterwards force-closed it anyway, abandoning puts UCX was still carrying out.
+TEST_CASE("ucx: without peer error handling, close() then the last handle going lets the puts "
+          "out end as they would have", "[ucx]") {
+  ucx::worker_options o = over("tcp");
+  o.peer_error_handling = false;
+  side a(o), b(o);
+  std::vector<std::byte> src(std::size_t{8} << 20, std::byte{3}), dst(src.size());
+  const auto local = a.worker.register_memory(src);
+  const auto target = b.worker.register_memory(dst);
+  std::optional<ucx::endpoint> ep(a.worker.connect(b.worker.address()));
+  ucx::endpoint ba = b.worker.connect(a.worker.address());
+  const auto remote = ep->import(target.describe());
+  std::vector<ucx::rma_block> blocks;
+  for (std::size_t i = 0; i < 8; ++i) {
+    blocks.push_back({local.slice(i << 20, 1 << 20), remote.slice(i << 20, 1 << 20)});
+  }
+  std::vector<ferry::transfer> ts(blocks.size());
+  ep->put_batch(blocks, ts, 30s);
+  ep->close();
+  ep.reset();  // the last handle
+  const auto r = ferry::drain(ts, hang_bound);
+  CHECK(r.pending == 0);
+  CHECK(r.verdict == ferry::verdict::success);
+  CHECK(a.worker.requests_held_by_ucx() == 0);
+}
+
+// Found by review: an accept_async dropped before a peer came stayed queued and took the next peer
+// (closing it at once), so the accept made after it waited in vain.
+TEST_CASE("ucx: an accept_async dropped unawaited does not take the next peer", "[ucx]") {
+  side a("tcp"), b("tcp");
+  auto l = b.worker.listen("127.0.0.1", 0, {});
+  { auto dropped = l.accept_async(10s); }
+  ucx::endpoint server_side;
+  std::thread accepter([&] { server_side = l.accept(10s); });
+  ucx::endpoint ep = a.worker.connect("127.0.0.1", l.port(), {}, 10s);
+  accepter.join();
+  std::uint64_t v = 0;
+  auto w = server_side.receive_notification(v, 10s);
+  ucx::endpoint back = b.worker.connect(a.worker.address());
+  auto n = ep.send_notification(5, 10s);
+  CHECK(n.wait_for(hang_bound) == transfer_state::success);
+  CHECK(w.wait_for(hang_bound) == transfer_state::success);
 }

@@ -329,21 +329,21 @@ class listener;
 class pending_endpoint {
  public:
   pending_endpoint(pending_endpoint&&) noexcept = default;
-  pending_endpoint& operator=(pending_endpoint&&) noexcept = default;
+  pending_endpoint& operator=(pending_endpoint&& other) noexcept {
+    if (this != &other) {
+      let_go();
+      owner_ = other.owner_;
+      result_ = std::move(other.result_);
+      made_ = std::move(other.made_);
+      what_ = std::move(other.what_);
+      endpoint_ = std::move(other.endpoint_);
+      other.endpoint_.reset();
+    }
+    return *this;
+  }
   pending_endpoint(const pending_endpoint&) = delete;
   pending_endpoint& operator=(const pending_endpoint&) = delete;
-  // An endpoint made and never taken is closed: here when it was made already, else by the executor
-  // when it is (connection.hpp, hand_over).
-  ~pending_endpoint() {
-    if (endpoint_ || !result_) return;
-    result_->dropped.store(true, std::memory_order_seq_cst);
-    if (made_.state() != transfer_state::success) return;
-    try {
-      (void)get();  // a handle, dropped at once: the endpoint closes
-    } catch (...) {
-      // Out of memory for the handle: the worker closes the endpoint when it goes.
-    }
-  }
+  ~pending_endpoint() { let_go(); }
 
   // Ends when the endpoint is made or could not be: for a batch wait beside other transfers.
   [[nodiscard]] const transfer& made() const noexcept { return made_; }
@@ -379,6 +379,22 @@ class pending_endpoint {
   friend class worker;
   friend class listener;
   pending_endpoint(worker& w, std::unique_ptr<detail::request> r, std::string what);
+
+  // An endpoint made and never taken is closed: here when it was made already, else by the executor
+  // when it is (connection.hpp, hand_over and next_accept_waiter).
+  void let_go() noexcept {
+    if (endpoint_ || !result_) return;
+    result_->dropped.store(true, std::memory_order_seq_cst);
+    if (made_.state() == transfer_state::success) {
+      try {
+        (void)get();  // a handle, dropped with this object: the endpoint closes
+      } catch (...) {
+        // Out of memory for the handle: the worker closes the endpoint when it goes.
+      }
+    }
+    endpoint_.reset();
+    result_.reset();
+  }
 
   worker* owner_ = nullptr;
   std::shared_ptr<detail::connect_result> result_;
@@ -417,6 +433,12 @@ class worker {
         while (engine_->closing_endpoints() != 0 && std::chrono::steady_clock::now() < until) {
           std::this_thread::sleep_for(std::chrono::milliseconds(1));
         }
+        // The executor's timers keep firing after remove_source: the engine's are cancelled on
+        // its thread first, so that none runs while ~engine does.
+        detail::on_executor(*engine_, "ferry::ucx::worker: stopping the timers", [this] {
+          engine_->stop_timers();
+          return std::error_code{};
+        });
       } catch (...) {
         // No memory for the request: ~engine cancels the timer, after the executor let go.
       }

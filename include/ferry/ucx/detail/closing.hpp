@@ -120,7 +120,11 @@ struct closing {
     E& s = self();
     const std::shared_ptr<endpoint_state>& e = r->endpoint;
     if (!e || e->ep == nullptr) {
-      if (e) force_close(*e, make_error_code(errc::endpoint_closed));
+      // Already handed to UCX (closed without force): what is out ends as UCX ends it; a later
+      // close (the last handle after close()) must not abandon it.
+      if (e && e->phase() != endpoint_phase::closed) {
+        force_close(*e, make_error_code(errc::endpoint_closed));
+      }
       return s.finish_all(r, {});
     }
     if (e->phase() == endpoint_phase::closing) {
@@ -216,7 +220,7 @@ struct closing {
     request* r = static_cast<request_timer*>(t)->owner;
     E& s = *static_cast<E*>(r->eng);
     r->deadline_passed = true;
-    r->has_deadline = false;  // the timer has left the heap
+    s.disarmed(r);  // the timer has left the heap
     switch (r->kind) {
       case request_kind::wait_notification:
         // Nothing of UCX's is out for a wait: take it off the endpoint's list.

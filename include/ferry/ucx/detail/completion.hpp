@@ -69,12 +69,21 @@ struct completion {
     maybe_destroy(r);
   }
 
-  // A UCX callback's bookkeeping for one of `r`'s requests on endpoint `e`.
+  // One of `r`'s UCX requests is out: counted in flight (its endpoint's and the engine's) until
+  // UCX calls it back or `r` is abandoned.
+  void count_in_flight(request* r) noexcept {
+    if (r->abandoned) return;
+    ++r->counted;
+    ++r->endpoint->in_flight;
+    ++self().in_flight_;
+  }
+
+  // A UCX callback's bookkeeping for one of `r`'s requests.
   void ucx_called_back(request* r) noexcept {
-    if (!r->abandoned) {
-      --r->endpoint->in_flight;
-      --self().in_flight_;
-    }
+    if (r->counted == 0) return;  // abandoned: no longer counted
+    --r->counted;
+    --r->endpoint->in_flight;
+    --self().in_flight_;
   }
 
   // The outcome of an nbx call for member `m`: done now (null), failed now, or a request whose
@@ -85,10 +94,7 @@ struct completion {
     if (UCS_PTR_IS_ERR(sp)) return member_step(m, UCS_PTR_STATUS(sp));
     request* r = m.owner;
     hold(r);
-    if (!r->abandoned) {
-      ++e.in_flight;
-      ++self().in_flight_;
-    }
+    count_in_flight(r);
     // UCX failed the endpoint inside this very call (its error handler ran and force-closed it)
     // before `r` was held: what UCX will not call back is abandoned now, like the rest.
     if (e.phase() == endpoint_phase::broken) abandon(r, e.failure());
@@ -117,10 +123,7 @@ struct completion {
     if (sp == nullptr) return flush_ended(r, UCS_OK);
     if (UCS_PTR_IS_ERR(sp)) return flush_ended(r, UCS_PTR_STATUS(sp));
     hold(r);
-    if (!r->abandoned) {
-      ++e.in_flight;
-      ++self().in_flight_;
-    }
+    count_in_flight(r);
     if (e.phase() == endpoint_phase::broken) abandon(r, e.failure());
   }
 
@@ -218,9 +221,10 @@ struct completion {
     if (r->abandoned) return;
     E& s = self();
     r->abandoned = true;
+    r->endpoint->in_flight -= r->counted;
+    s.in_flight_ -= r->counted;
+    r->counted = 0;
     if (r->ucx_out != 0) {
-      r->endpoint->in_flight -= r->ucx_out;
-      s.in_flight_ -= r->ucx_out;
       ++s.abandoned_;
       s.abandoned_count_.store(s.abandoned_, std::memory_order_relaxed);
     }
@@ -236,7 +240,10 @@ struct completion {
   // Not inlined: g++ 12's -Wuse-after-free would otherwise follow the delete into callers that
   // hold a pin on `r` (so that it cannot happen there) and warn of their later uses.
   [[gnu::noinline]] void destroy(request* r) noexcept {
-    if (r->has_deadline) (void)self().exec_.timers().cancel(r->timer);
+    if (r->has_deadline) {
+      (void)self().exec_.timers().cancel(r->timer);
+      self().disarmed(r);
+    }
     delete r;
   }
 

@@ -144,10 +144,12 @@ struct connection {
     return p;
   }
 
-  // `e` now knows its peer: routed by its worker id, and watched by pid where that is possible.
+  // `e` now knows its peer: routed by its worker id (the first open endpoint to a peer receives its
+  // notifications; a later one, or a hello claiming a known worker's id, takes nothing over), and
+  // watched by pid where that is possible.
   void register_endpoint(const std::shared_ptr<endpoint_state>& e) {
     E& s = self();
-    if (e->peer.worker_id != 0) s.by_worker_[e->peer.worker_id] = e.get();
+    if (e->peer.worker_id != 0) s.by_worker_.try_emplace(e->peer.worker_id, e.get());
     auto early = s.early_notifications_.find(e->peer.worker_id);
     if (early != s.early_notifications_.end()) {
       for (std::uint64_t v : early->second.values) e->notifications.push_back(v);
@@ -166,16 +168,23 @@ struct connection {
     return {};
   }
 
-  // `e` is closed: nothing routes to it any more.
+  // `e` is closed: nothing routes to it any more; its peer's messages go to another open endpoint
+  // to the same worker, if there is one.
   void forget_endpoint(endpoint_state& e) noexcept {
     E& s = self();
-    if (e.peer.worker_id != 0) {
-      auto it = s.by_worker_.find(e.peer.worker_id);
-      if (it != s.by_worker_.end() && it->second == &e) s.by_worker_.erase(it);
-    }
     auto& all = s.endpoints_;
     all.erase(std::remove_if(all.begin(), all.end(), [&](const auto& p) { return p.get() == &e; }),
               all.end());
+    if (e.peer.worker_id == 0) return;
+    auto it = s.by_worker_.find(e.peer.worker_id);
+    if (it == s.by_worker_.end() || it->second != &e) return;
+    for (const auto& other : all) {
+      if (other->peer.worker_id == e.peer.worker_id && other->carries_requests()) {
+        it->second = other.get();
+        return;
+      }
+    }
+    s.by_worker_.erase(it);
   }
 
   // Creates an endpoint to a peer whose worker address (from our descriptor, or its hello) is
@@ -307,6 +316,18 @@ struct connection {
       return s.finish_all(r, make_error_code(std::errc::not_enough_memory));
     }
     s.arm_deadline(r);
+  }
+
+  // The oldest accept still wanted: one whose caller dropped its pending endpoint ends now
+  // (endpoint_closed) rather than take a peer nobody would use.
+  request* next_accept_waiter(listener_state& l) noexcept {
+    while (!l.accept_waiters.empty()) {
+      request* r = l.accept_waiters.front();
+      l.accept_waiters.pop_front();
+      if (!r->result || !r->result->dropped.load(std::memory_order_seq_cst)) return r;
+      self().finish_all(r, make_error_code(errc::endpoint_closed));
+    }
+    return nullptr;
   }
 
   // Ends a connect or accept with `e`. A caller that dropped its pending endpoint without taking
@@ -463,6 +484,14 @@ struct connection {
       if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
       if (w <= 0) return end_handshake(i, {errno, std::system_category()});
       h.sent += static_cast<std::size_t>(w);
+      if (h.sent == h.out.size()) {
+        // Ours is out: from now on only the peer's bytes matter. A socket left watched for
+        // writability stays ready, and the executor would never park.
+        epoll_event ev{};
+        ev.events = EPOLLIN;
+        ev.data.ptr = &h;
+        (void)::epoll_ctl(s.epfd_, EPOLL_CTL_MOD, h.fd, &ev);
+      }
     }
     for (;;) {
       // First the length (4 bytes), then that many; never more than max_hello_bytes.
@@ -528,11 +557,10 @@ struct connection {
     if (request* connect = h.connect) {
       h.connect = nullptr;
       hand_over(connect, e);
-    } else if (listener_state& l = *h.listener; !l.accept_waiters.empty()) {
-      request* accept = l.accept_waiters.front();
-      l.accept_waiters.pop_front();
+    } else if (request* accept = next_accept_waiter(*h.listener)) {
       hand_over(accept, e);
     } else {
+      listener_state& l = *h.listener;
       try {
         l.ready.push_back(e);
       } catch (...) {

@@ -160,7 +160,10 @@ class engine : public submission<engine>,
       r->held = false;
       r->ucx_out = 0;
       r->members_left = 0;  // ~request fails any member still pending (worker_closed)
-      if (r->has_deadline) (void)exec_.timers().cancel(r->timer);
+      if (r->has_deadline) {
+        (void)exec_.timers().cancel(r->timer);
+        disarmed(r);
+      }
       delete r;
     }
     ::close(epfd_);
@@ -230,6 +233,34 @@ class engine : public submission<engine>,
     } catch (...) {
       // No memory for the timer heap: the request runs without its deadline rather than failing.
       r->has_deadline = false;
+      return;
+    }
+    r->armed_prev = nullptr;
+    r->armed_next = armed_;
+    if (armed_ != nullptr) armed_->armed_prev = r;
+    armed_ = r;
+  }
+
+  // `r`'s timer has fired or is cancelled: off the armed list.
+  void disarmed(request* r) noexcept {
+    if (r->armed_prev != nullptr) r->armed_prev->armed_next = r->armed_next;
+    if (r->armed_next != nullptr) r->armed_next->armed_prev = r->armed_prev;
+    if (armed_ == r) armed_ = r->armed_next;
+    r->armed_prev = r->armed_next = nullptr;
+    r->has_deadline = false;
+  }
+
+  // On the executor thread, before the worker lets go of it: every timer of this engine is
+  // cancelled, so that none fires on the executor while ~engine runs on another thread.
+  void stop_timers() noexcept {
+    stop_liveness();
+    while (request* r = armed_) {
+      (void)exec_.timers().cancel(r->timer);
+      disarmed(r);
+    }
+    for (const auto& h : handshakes_) {
+      if (h->armed) (void)exec_.timers().cancel(h->deadline);
+      h->armed = false;
     }
   }
 
@@ -269,6 +300,7 @@ class engine : public submission<engine>,
   std::atomic<std::size_t> closing_{0};
   request* deadlines_due_ = nullptr;   // requests whose deadlines passed, linked through due_next
   request* closes_flushed_ = nullptr;  // closes whose flush ended, linked through next
+  request* armed_ = nullptr;           // requests whose deadline timers are armed
   // Endpoints to force-close at the next poll, and why (a watched peer seen exited in a callback).
   std::vector<std::pair<std::shared_ptr<endpoint_state>, std::error_code>> closes_due_;
   flag_timer liveness_timer_;

@@ -145,15 +145,14 @@ struct liveness {
     if (waiting) arm_liveness();
   }
 
-  // A ping (answered) or a pong (the ping it answers is no longer out).
+  // A ping (answered) or a pong: the peer is there, for every endpoint to it.
   void liveness_message(const am_header& h) noexcept {
     E& s = self();
     auto it = s.by_worker_.find(h.sender.worker_id);
     if (it == s.by_worker_.end()) return;
-    if (h.kind == am_kind::ping) {
-      send_control(*it->second, s.pong_header_);
-    } else {
-      it->second->ping_out = false;
+    if (h.kind == am_kind::ping) return send_control(*it->second, s.pong_header_);
+    for (const auto& e : s.endpoints_) {
+      if (e->peer.worker_id == h.sender.worker_id) e->ping_out = false;
     }
   }
 

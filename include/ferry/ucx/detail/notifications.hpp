@@ -40,7 +40,12 @@ struct notifications {
     if (const std::error_code ec = s.refusal(r)) return s.finish_all(r, ec);
     s.arm_deadline(r);
     r->members[0].outstanding = 1;
+    // Pinned: the flush may end at once and the message go out inside this call, and UCX may fail
+    // the endpoint inside that send (force_close ends the notification), freeing `r` under us.
+    ++r->pins;
     s.start_flush(r);
+    --r->pins;
+    s.maybe_destroy(r);
   }
 
   // The notification's flush ended: its message goes out, and its member waits for the send and
@@ -107,7 +112,11 @@ struct notifications {
       if (r->endpoint.get() != &e) continue;
       member& m = r->members[0];
       if (m.status == nullptr) continue;
-      if (!m.failure) m.failure = e.failure() ? e.failure() : make_error_code(errc::endpoint_closed);
+      if (!m.failure) {
+        m.failure = r->deadline_passed ? make_error_code(errc::deadline_exceeded)
+                    : e.failure()      ? e.failure()
+                                       : make_error_code(errc::endpoint_closed);
+      }
       m.outstanding = 1;
       s.end_member(m);
     }

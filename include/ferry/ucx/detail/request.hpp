@@ -84,12 +84,15 @@ struct request {
   std::vector<member> members;
   std::size_t members_left = 0;  // members whose transfers have not ended
   std::size_t ucx_out = 0;       // UCX requests not yet called back
+  std::size_t counted = 0;       // of them, counted in flight (none once abandoned)
   request* held_prev = nullptr;  // the engine's held list, while ucx_out != 0
   request* held_next = nullptr;
   bool held = false;
   bool abandoned = false;        // its members ended while UCX still held some of its requests
   unsigned pins = 0;  // callers up the stack using it, and lists holding it: not freed while any
   bool deadline_listed = false;  // on the engine's list of deadlines to act on
+  request* armed_prev = nullptr;  // the engine's list of requests whose timers are armed
+  request* armed_next = nullptr;
   request* due_next = nullptr;   // that list's link
   put_completion completion = put_completion::landed;
   bool has_deadline = false;
