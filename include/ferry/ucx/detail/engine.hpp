@@ -2,8 +2,9 @@
 // The executor's side of a UCX worker. The worker runs in UCX's single-thread mode and only the
 // progress executor's thread calls into it: submitters publish requests onto a lock-free stack and
 // notify the executor, whose poll() takes them, hands them to UCX and progresses the worker; every
-// UCX callback (a put, get, flush or active message ending, an endpoint failing, a peer connecting)
-// runs inside that progress, on that thread.
+// UCX callback (a put, get, flush or active message ending, an endpoint failing) runs inside that
+// progress, on that thread. Connections by host and port are ferry's own sockets, in the same epoll
+// set the executor parks on.
 //
 // This class is the facade: making the worker, routing what submitters publish, and the
 // executor's poll and arm. What it does is in parts, one header each, which it derives from:

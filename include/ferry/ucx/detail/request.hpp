@@ -15,8 +15,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
-#include <string>
 #include <memory>
+#include <string>
 #include <system_error>
 #include <vector>
 
