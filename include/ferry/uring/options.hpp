@@ -30,8 +30,10 @@ struct ring_options {
   // two, the kernel does not plug the block layer, so each request reaches the device at once.
   unsigned submit_batch = 2;
   // SINGLE_ISSUER | DEFER_TASKRUN with the executor as the issuer, where the kernel has them (6.1
-  // on): completions are finished in the executor's own system calls rather than by interrupting
-  // it. false: the plain set-up, which costs more per operation when the CPU is the limit.
+  // on) and the executor is progress_mode::busy: completions are finished in the executor's own
+  // system calls rather than by interrupting it. An executor that parks always gets the plain
+  // set-up (a parked issuer hears of deferred completions a scheduler tick late). false: the plain
+  // set-up, which costs more per operation when the CPU is the limit.
   bool defer_task_work = true;
   // Where the ring records each read, write, send and receive that ends (metrics.hpp), sends and
   // receives also per peer (its IP address: every connection from one host adds up); it must

@@ -13,14 +13,16 @@
 //   executor_call.hpp  work that must run on the executor thread
 //   teardown.hpp       finishing the ring when it is destroyed
 //
-// Task work. By default (Linux 6.1 on) the ring is set up SINGLE_ISSUER | DEFER_TASKRUN with the
-// executor thread as its one issuer: the kernel finishes completions only inside the executor's own
+// Task work. On a busy executor (one that never parks) the ring is set up, by default and from
+// Linux 6.1 on, SINGLE_ISSUER | DEFER_TASKRUN with the executor thread as its one issuer: the kernel finishes completions only inside the executor's own
 // io_uring_enter calls, never by interrupting it, and needs no cross-CPU wake-ups to do so. That
 // ties every call into the ring to that thread: registrations run there (the calling thread waits
 // for them), the executor cancels and collects what the ring still holds when it is destroyed (in
 // its ordinary rounds, while the destructor's thread waits), and it parks on an eventfd the kernel
-// signals when completions are due. On an older kernel the ring silently falls back to the plain
-// set-up (`defers_task_work()` tells), whose destructor does that work on its own thread.
+// signals when completions are due. An executor that parks (adaptive, park) gets the plain set-up:
+// the kernel signals that eventfd lazily for deferred work, so a parked executor heard of a
+// completion only a scheduler tick later. So does an older kernel (`defers_task_work()` tells); the
+// plain ring's destructor does that work on its own thread.
 
 #include <liburing.h>
 #include <pthread.h>
@@ -78,9 +80,15 @@ class ring {
                                   IORING_SETUP_TASKRUN_FLAG | IORING_SETUP_R_DISABLED;
     int r = -EINVAL;
     io_uring_params params{};
+    // Deferred completions only for an executor that never parks (progress_mode::busy): a parked
+    // issuer hears of them through the ring's eventfd, which the kernel signals lazily for deferred
+    // task work (on Linux 6.18, a pipe read's completion reached a parked executor a scheduler tick
+    // later: 8 ms a round trip, against 60 µs with the plain set-up).
+    const bool may_defer =
+        options.defer_task_work && exec.options().mode == progress_mode::busy;
     for (const unsigned flags : {plain | IORING_SETUP_SUBMIT_ALL | deferred,
                                  plain | IORING_SETUP_SUBMIT_ALL, plain}) {
-      if ((flags & deferred) != 0 && !options.defer_task_work) continue;
+      if ((flags & deferred) != 0 && !may_defer) continue;
       params = io_uring_params{};
       params.flags = flags;
       params.cq_entries = std::max(4u, 2 * entries);  // room for cancels, socket work, the rest
