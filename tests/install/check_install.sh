@@ -20,7 +20,7 @@ for f in pkgconfig/ferry.pc cmake/ferry/ferryConfig.cmake cmake/ferry/ferryConfi
   fi
 done
 if [ ! -f "$prefix/include/ferry/version.hpp" ]; then
-  echo "the generated ferry/version.hpp is not installed" >&2; exit 1
+  echo "ferry/version.hpp is not installed" >&2; exit 1
 fi
 source_of() { case $1 in gpu-*) echo gpu.cpp ;; *) echo "$1.cpp" ;; esac; }
 
