@@ -4,10 +4,15 @@
 
 #include <malloc.h>
 
+#include <atomic>
 #include <optional>
+#include <random>
 #include <thread>
 #include <vector>
 
+#include <ferry/detail/spin.hpp>
+#include <ferry/detail/status_block.hpp>
+#include <ferry/poll_all.hpp>
 #include <ferry/wait_all.hpp>
 
 #include "helpers.hpp"
@@ -264,4 +269,106 @@ TEST_CASE("a member that never ends keeps no part of a wait_all that timed out",
   CHECK(b.transfers[0].status()->linked_waiters() == 0);
   CHECK(b.transfers[0].status()->references() == 2);  // the handle and its completer
   b.completers[0].succeed();
+}
+
+namespace {
+
+// Holds a failing completion between taking its number and publishing its state, as a completer
+// preempted there would be, on the thread that set `hold_here` only.
+// Or, where `linger_here` is set, spins that many pauses there: a completer slow to publish.
+thread_local bool hold_here = false;
+thread_local int linger_here = 0;
+std::atomic<int> held_at_number{0};  // 1: a completer is held; 2: let it go
+
+void hold_after_numbering() noexcept {
+  for (int i = 0; i < linger_here; ++i) ferry::detail::cpu_relax();
+  if (!hold_here) return;
+  held_at_number.store(1);
+  while (held_at_number.load() != 2) std::this_thread::yield();
+}
+
+struct numbering_hook {
+  numbering_hook() {
+    held_at_number.store(0);
+    ferry::detail::after_failure_numbered = &hold_after_numbering;
+  }
+  ~numbering_hook() { ferry::detail::after_failure_numbered = nullptr; }
+  numbering_hook(const numbering_hook&) = delete;
+  numbering_hook& operator=(const numbering_hook&) = delete;
+};
+
+}  // namespace
+
+TEST_CASE("the first failure in time is named even when its completer stops before publishing",
+          "[wait_all][concurrency][regression]") {
+  // Member 0's failure takes the earlier number, then its completer stops before the state is
+  // published; member 1's failure is published, delivered, and decides the wait. The verdict must
+  // still name member 0: the wait holds on until member 0's completion is no longer under way.
+  numbering_hook hook;
+  batch b(2);
+  std::atomic<bool> returned{false};
+  ferry::batch_result r;
+  std::thread waiter([&] {
+    r = ferry::wait_all(b.transfers, hang_bound);
+    returned.store(true);
+  });
+  // The wait is registered on both members before anything fails (registering takes the member's
+  // lock, which the held completer keeps).
+  REQUIRE(wait_until([&] {
+    return b.transfers[0].status()->linked_waiters() == 1 &&
+           b.transfers[1].status()->linked_waiters() == 1;
+  }));
+  const std::error_code first = std::make_error_code(std::errc::timed_out);
+  std::thread fail0([&, c = b.completers[0]]() mutable {
+    hold_here = true;
+    c.fail(first);
+  });
+  while (held_at_number.load() != 1) std::this_thread::yield();
+  b.completers[1].fail(io_error);
+  std::this_thread::sleep_for(50ms);  // the waiter has had its verdict decided by member 1
+  CHECK_FALSE(returned.load());       // ...and waits for member 0's completion to publish
+  held_at_number.store(2);
+  waiter.join();
+  fail0.join();
+  CHECK(r.verdict == verdict::failed);
+  CHECK(r.first_failed == 0u);
+  CHECK(r.error == first);
+}
+
+TEST_CASE("a wait's verdict and a later poll_all agree on the first failure under racing failures",
+          "[wait_all][concurrency][regression]") {
+  // Three threads fail three of four members at once, each after its own random pause and each
+  // lingering a random while between taking its number and publishing (as a preempted completer
+  // would, only more often), while a thread waits on the batch: the verdict names the failure
+  // first in time, which a poll_all after everything has ended confirms.
+  numbering_hook hook;
+  constexpr int rounds = 3000;
+  constexpr std::size_t failers = 3;
+  int disagreements = 0;
+  std::mt19937 rng(36);
+  for (int round = 0; round < rounds; ++round) {
+    batch b(failers + 1);
+    std::atomic<int> ready{0};
+    std::atomic<bool> go{false};
+    std::vector<std::thread> threads;
+    for (std::size_t k = 0; k < failers; ++k) {
+      const int pause = static_cast<int>(rng() % 2000);
+      const int linger = static_cast<int>(rng() % 2000);
+      threads.emplace_back([&, k, pause, linger, c = b.completers[k]]() mutable {
+        linger_here = linger;
+        ready.fetch_add(1);
+        while (!go.load(std::memory_order_acquire)) std::this_thread::yield();
+        for (int i = 0; i < pause; ++i) ferry::detail::cpu_relax();
+        c.fail(std::error_code(static_cast<int>(k) + 1, std::generic_category()));
+      });
+    }
+    while (ready.load() != static_cast<int>(failers)) std::this_thread::yield();
+    go.store(true, std::memory_order_release);
+    const ferry::batch_result r = ferry::wait_all(b.transfers, hang_bound);
+    for (std::thread& t : threads) t.join();
+    b.completers[failers].succeed();
+    const ferry::batch_result later = ferry::poll_all(b.transfers);
+    if (r.verdict != verdict::failed || r.first_failed != later.first_failed) ++disagreements;
+  }
+  CHECK(disagreements == 0);
 }

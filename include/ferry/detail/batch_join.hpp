@@ -294,9 +294,12 @@ class batch_join {
 
   // Two corrections made by the waiting side, which still holds the members, so that neither costs
   // the verdict path anything:
-  //  - a failure is reported as the earliest in time: the failure record may have improved since the
-  //    decision, and while any failure anywhere is still being delivered, one earlier than ours may
-  //    not have reached us yet, so the members are looked at directly (rare: concurrent failures);
+  //  - a failure is reported as the earliest in time. A failing completer holds its member's lock
+  //    from before it takes its number until it has published its state (status_block::complete).
+  //    So every failure numbered before the one that decided either shows in its member's state
+  //    now or still holds that member's lock: wait for each member's completion under way, then
+  //    look at the members. That covers a completer preempted between taking its number and
+  //    publishing, which no bounded wait would (rare: concurrent failures; the look is one pass);
   //  - a timeout is confirmed by a look at the members: a completion published before the deadline
   //    whose notification was still on its way decides instead (rare: the timeout path).
   void settle(batch_result& r, std::span<const transfer> members) noexcept {
@@ -308,31 +311,15 @@ class batch_join {
       return;
     }
     if (r.verdict != verdict::failed) return;
-    // Settle first, then read the record: a failure whose delivery ended after the record was read
-    // would otherwise be missed although the counter says everything has been delivered.
-    const bool settled = deliveries_settle();
-    read_first_failure(r);
-    if (!settled) {
-      const batch_result look = poll_all(members);
-      if (look.first_failed) {
-        r.first_failed = look.first_failed;
-        r.error = look.error;
-      }
+    for (const transfer& t : members) {
+      if (const status_block* s = t.status(); s != nullptr) s->wait_for_completion_under_way();
     }
-  }
-
-  // True once no failure anywhere is still being delivered. The failure that decided this verdict
-  // is usually still finishing its own delivery when the waiter runs, so give in-flight deliveries
-  // a few microseconds to end before falling back to looking at every member.
-  // A thread that is itself delivering a failure (a continuation resumed inline) could never see
-  // the counter reach zero: it looks at the members at once instead.
-  static bool deliveries_settle() noexcept {
-    if (failures_delivered_here != 0) return false;
-    for (int i = 0; i < 4096; ++i) {
-      if (failures.in_delivery.load(std::memory_order_acquire) == 0) return true;
-      cpu_relax();
+    std::uint64_t first_sequence = 0;
+    const batch_result look = look_at(members, first_sequence);
+    if (look.first_failed) {
+      r.first_failed = look.first_failed;
+      r.error = look.error;
     }
-    return false;
   }
 
   static void on_member(waiter* w, const completion_event& ev) noexcept {

@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <system_error>
 
+#include <sched.h>
+
 #include "ferry/detail/block_pool.hpp"
 #include "ferry/detail/futex.hpp"
 #include "ferry/detail/spin.hpp"
@@ -66,20 +68,19 @@ struct waiter {
   bool linked = false;
 };
 
-// How many of those this thread is delivering right now (nested when continuations resume inline).
-inline thread_local std::uint32_t failures_delivered_here = 0;
-
 // "First failure in time" is decided by `sequence`. Successes take no number: no verdict depends on
-// the order of successes, and skipping them keeps the success path free of a shared counter.
-// `in_delivery` counts failures whose completion has been published but whose waiters have not all
-// been notified yet: a batch wait that reports a failure checks it, since while it is zero every
-// failure earlier in time than the one it saw has already reached it. Both share one cache line,
-// which a failing completion touches once.
+// the order of successes, and skipping them keeps the success path free of a shared counter. A
+// failing completion takes its number while it holds its status's lock, and publishes before it
+// lets go (see complete()), which is what a batch wait relies on to name the first failure.
 struct alignas(64) failure_clock {
   std::atomic<std::uint64_t> sequence{0};
-  std::atomic<std::uint64_t> in_delivery{0};
 };
 inline failure_clock failures;
+
+// Tests only: called by a failing completion after it has taken its number and before it publishes
+// its state, so that a test can hold a completer there (as if preempted). Null unless a test sets
+// it: one predictable branch on the failure path.
+inline void (*after_failure_numbered)() noexcept = nullptr;
 
 class alignas(64) status_block {
  public:
@@ -126,11 +127,10 @@ class alignas(64) status_block {
     if (failure) {
       if (!ec) ec = make_error_code(to == transfer_state::cancelled ? errc::cancelled
                                                                     : errc::unspecified_failure);
-      // Counted before the sequence number is taken, and the number taken with acq_rel: whoever
-      // sees a later number also sees this failure counted until it has been delivered.
-      failures.in_delivery.fetch_add(1, std::memory_order_relaxed);
-      ++failures_delivered_here;
+      // Taken under the lock, with acq_rel: whoever sees a later number also sees this status
+      // locked, until it has published (batch_join::settle waits for that).
       sequence_ = failures.sequence.fetch_add(1, std::memory_order_acq_rel) + 1;
+      if (after_failure_numbered != nullptr) after_failure_numbered();
     } else {
       ec = {};
     }
@@ -165,11 +165,22 @@ class alignas(64) status_block {
       }
       unlock();
     }
-    if (failure) {
-      --failures_delivered_here;
-      failures.in_delivery.fetch_sub(1, std::memory_order_release);
-    }
     return true;
+  }
+
+  // Returns once no terminal call is under way: the status is terminal, or its lock is free (a lock
+  // held by waiter-list changes is held for moments). A completer may have been preempted holding
+  // it, perhaps on this very CPU: after a short spin this yields, so that the holder can run.
+  void wait_for_completion_under_way() const noexcept {
+    for (unsigned looks = 0;; ++looks) {
+      const std::uint32_t v = word_.load(std::memory_order_acquire);
+      if ((v & state_mask) != 0 || (v & lock_bit) == 0) return;
+      if (looks < 256) {
+        cpu_relax();
+      } else {
+        ::sched_yield();
+      }
+    }
   }
 
   // Links `w` unless the status is already terminal (returns false: nothing was linked).
