@@ -8,6 +8,7 @@
 #include <chrono>
 #include <coroutine>
 #include <cstddef>
+#include <cstdint>
 #include <exception>
 #include <functional>
 #include <span>
@@ -234,6 +235,50 @@ int later_failure_named(std::size_t n, int rounds, Look look) {
     if (r.verdict == ferry::verdict::failed && r.first_failed != 0u) ++wrong;
   }
   return wrong;
+}
+
+// Wake-up tests ([wakeup]): round trips through a completion source with its executor parking
+// (park mode, then adaptive) must not wait for a scheduler tick, a timer or a later poll to be
+// found. A completion that does not wake a parked executor is found a tick late or later: at
+// 250 Hz a tick is 4 ms, so every round trip would take milliseconds. The bound is half a tick per
+// round trip on average, which a sanitizer build on a loaded machine meets with room (its round
+// trips take tens to hundreds of microseconds). The executor also had to park, or the test proved
+// nothing: its counters say so.
+inline constexpr int wakeup_rounds = 200;
+inline constexpr std::chrono::microseconds wakeup_bound_per_round{2000};
+inline constexpr ferry::progress_mode wakeup_modes[] = {ferry::progress_mode::park,
+                                                        ferry::progress_mode::adaptive};
+
+inline const char* mode_name(ferry::progress_mode m) {
+  return m == ferry::progress_mode::park ? "park" : m == ferry::progress_mode::adaptive ? "adaptive"
+                                                                                        : "busy";
+}
+
+inline ferry::executor_options executor_in(ferry::progress_mode m) {
+  ferry::executor_options o;
+  o.mode = m;
+  return o;
+}
+
+// Runs `one` (one round trip, awaited to its end) wakeup_rounds times, with a pause before each
+// long enough for the executor to have parked (an adaptive one spins 50 us, 500 us with I/O out),
+// and checks the bound. `parks` reads the parks of the executors involved.
+template <class One, class Parks>
+void check_round_trips_wake(const char* what, ferry::progress_mode mode, Parks parks, One one) {
+  const std::uint64_t parks_before = parks();
+  clock_type::duration took{};
+  for (int i = 0; i < wakeup_rounds; ++i) {
+    std::this_thread::sleep_for(1ms);
+    const auto start = clock_type::now();
+    one();
+    took += clock_type::now() - start;
+  }
+  const double per_round_us =
+      std::chrono::duration<double, std::micro>(took).count() / wakeup_rounds;
+  INFO(what << ", " << mode_name(mode) << " mode: " << per_round_us << " us per round trip on "
+            << "average over " << wakeup_rounds);
+  CHECK(took < wakeup_rounds * wakeup_bound_per_round);
+  CHECK(parks() - parks_before >= static_cast<std::uint64_t>(wakeup_rounds / 2));
 }
 
 // The series of `kind` for `peer` (empty: the kind's total) in a metrics snapshot; a failed check

@@ -9,9 +9,9 @@
 // has I/O in flight that will soon complete (in_flight()), adaptive mode's spin budget is the longer
 // in_flight_spin: completions due within a few hundred microseconds are met awake.
 //
-// An idle spin (adaptive mode's spin budgets, or a source that only polling serves) offers the CPU
-// every few microseconds (detail::idle_spin): a thread woken onto the executor's CPU runs at once,
-// not after the spin. Busy mode does not: it is for a core given to the executor alone.
+// An idle spin (adaptive mode's spin budgets, or a source that only polling serves) pauses the core
+// and never yields the CPU (detail::idle_spin says why): a thread woken onto the executor's CPU
+// waits at most for the spin budget, or preempts the spin.
 
 #include <algorithm>
 #include <atomic>

@@ -6,8 +6,6 @@
 #include <algorithm>
 #include <chrono>
 
-#include <sched.h>
-
 #include "ferry/detail/futex.hpp"
 
 namespace ferry::detail {
@@ -21,29 +19,17 @@ inline void cpu_relax() noexcept {
 }
 
 // Paces an idle spin that may last long (the executor's spin budget, run_loop's spin): each step
-// pauses, and every `offer_every` it offers the CPU to any other thread that is ready to run on it.
-// A thread woken onto the CPU of a spinning one (the kernel places a wakee beside its waker when it
-// can) otherwise waits for the spin to end. On a two-vCPU machine that happened in nearly every
-// burst of disk reads: the engine thread, woken by the executor, sat behind the executor's spin, and
-// the executor behind the engine thread's (the io_uring benchmark at depth 32: 0.80x-0.81x of fio
-// with a plain spin, 0.94x-0.97x with this). With nothing else ready, sched_yield returns at once
-// (about 0.7 us there), so it is paced rather than made every step: at every step, the
-// executor-thread runner at depth 1 lost a tenth of its rate.
+// pauses the core (cpu_relax) and nothing more. It never offers the CPU with sched_yield. Under
+// Linux's EEVDF scheduler (6.6 on) every sched_yield pushes the spinner's virtual deadline back by
+// a whole slice, and a spinner that yields every few microseconds soon has a later deadline than
+// any other runnable task, a niced build job included, which then keeps the CPU until the next
+// scheduler tick: a run_loop spinning beside a nice-19 CPU hog resumed its work 241 us late on
+// average (p99 3.2 ms, a tick at 250 Hz), against 2.4 us (p99 12 us) with plain pauses. A thread
+// the kernel wakes onto a spinning thread's CPU instead waits at most for the spin to end (the spin
+// budgets bound it), or preempts it when the scheduler finds the wakee's deadline earlier.
 class idle_spin {
  public:
-  static constexpr std::chrono::nanoseconds offer_every = std::chrono::microseconds(5);
-
-  void step(clock::time_point now) noexcept {
-    if (now - offered_ >= offer_every) {
-      ::sched_yield();
-      offered_ = now;
-    } else {
-      cpu_relax();
-    }
-  }
-
- private:
-  clock::time_point offered_{};
+  void step(clock::time_point) noexcept { cpu_relax(); }
 };
 
 // Looks at `ready` until it says yes (true) or `until` passes (false), pacing the looks with
