@@ -5,8 +5,9 @@
 // verbs side channel over real TCP on 127.0.0.1, the queue pairs' handshake, the measuring loops,
 // the JSON, SVG and Prometheus output).
 //   ferry_perf_fake_verbs OUTDIR
-// writes OUTDIR/{stream,latency,kv}.* (ferry_perf_fake_verbs.sh checks them) and exits 0 when every
-// run did.
+// writes OUTDIR/{stream,latency,kv,check-write,check-read}.* (ferry_perf_fake_verbs.sh checks them)
+// and exits 0 when every run did as expected: the good ones succeed, and --check runs against a
+// target that corrupts one byte (the test hook FERRY_PERF_TEST_CORRUPT) fail.
 
 #include <ferry/testing/verbs.hpp>
 
@@ -88,6 +89,33 @@ int one_run(const std::string& name, std::vector<std::string> initiator_args) {
   return rc != 0 ? rc : target_rc;
 }
 
+// A checked run against a target that flips byte 100 of thread 0's block 0: the initiator must
+// exit 1 (the run failed its check) and the target `target_expected` (1 when it found the mismatch
+// itself, 0 when the initiator did). Returns 0 when both did.
+int mismatch_run(const std::string& name, const std::string& op, int target_expected) {
+  // Set before the target's thread starts and cleared after it ends: nothing reads it meanwhile.
+  ::setenv("FERRY_PERF_TEST_CORRUPT", "100", 1);
+  const std::uint16_t port = free_port();
+  const std::string where = "127.0.0.1:" + std::to_string(port);
+  int target_rc = -1;
+  std::thread target([&] {
+    target_rc = run_args({"ferry-perf", "target", "--backend", "verbs", "--listen", where, "--once", "--device",
+                          "fake_target"});
+  });
+  for (int i = 0; i < 500 && !listening(port); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  std::printf("== %s\n", name.c_str());
+  std::fflush(stdout);
+  const int rc = run_args({"ferry-perf", "initiator", "--backend", "verbs", "--connect", where, "--device",
+                           "fake_initiator", "--op", op, "--block-size", "4K", "--threads", "2", "--duration", "0.3",
+                           "--check"});
+  if (rc != 1) hang_up_on(port);
+  target.join();
+  ::unsetenv("FERRY_PERF_TEST_CORRUPT");
+  std::printf("== %s: initiator exit %d, target exit %d (expected 1 and %d)\n", name.c_str(), rc, target_rc,
+              target_expected);
+  return rc == 1 && target_rc == target_expected ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -110,7 +138,7 @@ int main(int argc, char** argv) {
   if (rc == 0) {
     rc = one_run("kv, write", {"--op", "write", "--workload", "kv", "--layers", "4", "--requests", "2", "--batch",
                                "2", "--block-size", "16K", "--duration", "0.5", "--executor", "park", "--json",
-                               out + "/kv.json"});
+                               out + "/kv.json", "--plot", out + "/kv.svg"});
   }
   // A kv layer of 8192 blocks, twice the deepest send queue ferry-perf asks for: it goes out in parts.
   if (rc == 0) {
@@ -118,6 +146,20 @@ int main(int argc, char** argv) {
                  {"--op", "write", "--workload", "kv", "--layers", "1", "--requests", "2", "--batch", "4096",
                   "--block-size", "4K", "--duration", "0.3"});
   }
+  // --check: writes compared on the target after the run, reads by the initiator as they complete.
+  for (const char* op : {"write", "read"}) {
+    if (rc == 0) {
+      rc = one_run(std::string("check, ") + op,
+                   {"--op", op, "--block-size", "16K", "--batch", "2", "--depth", "2", "--threads", "2",
+                    "--duration", "0.3", "--check", "--json", out + "/check-" + op + ".json"});
+    }
+  }
+  if (rc == 0) {
+    rc = one_run("check, kv write", {"--op", "write", "--workload", "kv", "--layers", "3", "--requests", "2",
+                                     "--block-size", "8K", "--duration", "0.3", "--check"});
+  }
+  if (rc == 0) rc = mismatch_run("check, write, one byte corrupted on the target", "write", 1);
+  if (rc == 0) rc = mismatch_run("check, read, one byte corrupted on the target", "read", 0);
   // A device that does not exist: the target says so, and the initiator exits 1 naming it.
   if (rc == 0) {
     const std::uint16_t port = free_port();

@@ -1,16 +1,21 @@
 #pragma once
 // ferry-perf's command line: the configuration every mode reads, sizes with K/M/G suffixes and
-// power-of-two ranges, and the usage text. A bad argument throws usage_error (exit status 2).
+// power-of-two ranges, and the usage text. A bad argument throws usage_error (exit status 2), naming
+// the option and the value; every number is read whole and range-checked (numbers.hpp).
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "numbers.hpp"
 
 namespace ferry_perf {
 
@@ -58,16 +63,25 @@ control exchanges, and for verbs --device and --gid-index):
   --device NAME              verbs, initiator and target: the RDMA device (default: the first one)
   --gid-index N              verbs, initiator and target: the source GID on RoCE (default 0)
   --file-size S              file: bytes of the file the blocks are placed in (default 256M)
+  --check                    initiator and file: fill every block written with a pattern made from
+                             the run's seed, the thread and the block, and verify every byte moved
+                             (reads on the initiator, each block as it completes; writes on the
+                             target, or read back from the file, after the run). A mismatch fails
+                             the run, naming the block and the byte. Without --check ferry-perf
+                             trusts each transfer's completion status and looks at no data. The
+                             checking is part of the figures (see docs/ferry-perf.md)
   --no-metrics               do not record ferry's metrics (metrics.hpp) in the backend
   --json FILE                every figure, the configuration and the metrics, as JSON
-  --plot FILE.svg            bandwidth against block size and the latency distribution
+  --plot FILE.svg            bandwidth against block size, the latency distribution (latency), step
+                             times and when each layer was ready (kv)
   --prometheus FILE          the backend's metrics in the Prometheus text format, after the run
 
 backends: tcp (io_uring TCP), ucx (UCX one-sided RMA) and verbs (RC queue pairs on an RDMA
 adapter, connected over ferry's TCP side channel; the target's --listen HOST must be numeric),
 where ferry was built with them; file is io_uring on one host.
 
-exit status: 0 success, 1 a run failed (the target went away, a deadline passed), 2 bad arguments.
+exit status: 0 success, 1 a run failed (the target went away, a deadline passed, --check found a
+mismatch), 2 bad arguments. A failed run prints no result row, and one line saying what failed.
 )";
 }
 
@@ -101,38 +115,41 @@ struct config {
   bool gid_index_given = false;
   std::size_t file_size = std::size_t{256} << 20;
   bool metrics = true;
+  bool check = false;
   std::string json;
   std::string plot;
   std::string prometheus;
   std::vector<std::string> argv;
 };
 
+// The most memory the buffers of a run may take on either side: the initiator's threads × blocks
+// in flight × block size, and the target's region or buffers of the same size.
+constexpr std::uint64_t most_buffer_bytes = std::uint64_t{8} << 30;
+
+// "4096", "4K", "4KB", "4KiB" (K, M and G are powers of 1024); at least 1 byte, at most 1 TiB.
 inline std::size_t parse_size(std::string_view text, const std::string& what) {
-  if (text.empty()) throw usage_error(what + ": empty size");
-  std::size_t i = 0;
-  std::uint64_t v = 0;
-  while (i < text.size() && text[i] >= '0' && text[i] <= '9') {
-    if (v > (~std::uint64_t{0} - 9) / 10) throw usage_error(what + ": size too large");
-    v = v * 10 + static_cast<std::uint64_t>(text[i] - '0');
-    ++i;
-  }
-  if (i == 0) throw usage_error(what + ": '" + std::string(text) + "' is not a size");
+  std::size_t digits = 0;
+  while (digits < text.size() && text[digits] >= '0' && text[digits] <= '9') ++digits;
+  std::string_view suffix = text.substr(digits);
   unsigned shift = 0;
-  if (i < text.size()) {
-    switch (text[i]) {
+  if (!suffix.empty()) {
+    switch (suffix.front()) {
       case 'K': case 'k': shift = 10; break;
       case 'M': case 'm': shift = 20; break;
       case 'G': case 'g': shift = 30; break;
-      default: throw usage_error(what + ": '" + std::string(text) + "': unknown suffix");
+      default: shift = 64;
     }
-    ++i;
-    if (i < text.size() && (text[i] == 'i' || text[i] == 'B')) ++i;
-    if (i < text.size() && text[i] == 'B') ++i;
+    suffix.remove_prefix(1);
+    if (suffix != "" && suffix != "B" && suffix != "iB") shift = 64;
   }
-  if (i != text.size()) throw usage_error(what + ": '" + std::string(text) + "' is not a size");
-  if (v == 0) throw usage_error(what + ": size must be at least 1");
-  if (v > (std::uint64_t{1} << 40) >> shift) throw usage_error(what + ": size too large");
-  return static_cast<std::size_t>(v << shift);
+  const std::optional<std::uint64_t> v = parse_whole(text.substr(0, digits));
+  if (!v || shift == 64) {
+    throw usage_error(what + ": " + quoted(text) + " is not a size (a whole number of bytes, or with K, M or G)");
+  }
+  if (*v == 0 || *v > (std::uint64_t{1} << 40) >> shift) {
+    throw usage_error(what + ": " + quoted(text) + " is not a size from 1 byte to 1T");
+  }
+  return static_cast<std::size_t>(*v << shift);
 }
 
 // "4K" or "4K:16M" (powers of two from the first up to at most the second).
@@ -147,33 +164,34 @@ inline std::vector<std::size_t> parse_sizes(std::string_view text) {
   return out;
 }
 
-inline std::size_t parse_count(const std::string& text, const std::string& what, std::size_t max) {
-  std::size_t pos = 0;
-  unsigned long long v = 0;
-  try {
-    v = std::stoull(text, &pos);
-  } catch (...) {
-    throw usage_error(what + ": '" + text + "' is not a number");
-  }
-  if (pos != text.size() || text[0] == '-') throw usage_error(what + ": '" + text + "' is not a number");
-  if (v == 0 || v > max) {
-    throw usage_error(what + ": must be between 1 and " + std::to_string(max));
-  }
-  return static_cast<std::size_t>(v);
+// UCX's TLS setting ("tcp", "rc,ud", "^shm"). It crosses the control connection as one field of a
+// line: no spaces, no '='.
+[[nodiscard]] inline bool is_transport_list(const std::string& t) {
+  constexpr const char* allowed = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_,^:.-";
+  return !t.empty() && t.size() <= 128 && t.find_first_not_of(allowed) == std::string::npos;
 }
 
+// Blocks in flight per submitting thread: each has its own slot in the thread's buffers.
+[[nodiscard]] inline std::size_t slots_per_thread(const config& c) {
+  return c.workload == "kv" ? c.layers * c.requests * c.batch : c.batch * c.depth;
+}
+
+inline std::size_t parse_count(const std::string& text, const std::string& what, std::size_t max) {
+  const std::optional<std::uint64_t> v = parse_whole(text);
+  if (!v || *v == 0 || *v > max) {
+    throw usage_error(what + ": " + quoted(text) + " is not a whole number from 1 to " + std::to_string(max));
+  }
+  return static_cast<std::size_t>(*v);
+}
+
+// At least a millisecond: the control connection's deadlines count whole milliseconds, and a
+// shorter one would expire before it was armed.
 inline double parse_seconds(const std::string& text, const std::string& what) {
-  std::size_t pos = 0;
-  double v = 0;
-  try {
-    v = std::stod(text, &pos);
-  } catch (...) {
-    throw usage_error(what + ": '" + text + "' is not a number of seconds");
+  const std::optional<double> v = parse_real(text);
+  if (!v || *v < 0.001 || *v > 86400) {
+    throw usage_error(what + ": " + quoted(text) + " is not a number of seconds from 0.001 to 86400");
   }
-  if (pos != text.size() || !(v > 0) || v > 86400) {
-    throw usage_error(what + ": '" + text + "' must be between 0 and 86400 seconds");
-  }
-  return v;
+  return *v;
 }
 
 inline void split_host_port(const std::string& text, const std::string& what, std::string& host,
@@ -256,6 +274,10 @@ inline config parse(int argc, char** argv) {
       c.timeout = parse_seconds(need(), "--timeout");
     } else if (key == "--transport") {
       c.transport = need();
+      if (!is_transport_list(c.transport)) {
+        throw usage_error("--transport: " + quoted(c.transport) +
+                          " is not a UCX transport list (letters, digits and _ , ^ : . -)");
+      }
     } else if (key == "--put-completion") {
       c.put_completion = need();
       c.put_completion_given = true;
@@ -267,14 +289,14 @@ inline config parse(int argc, char** argv) {
       c.device_given = true;
     } else if (key == "--gid-index") {
       const std::string v = need();
-      if (v.empty() || v.size() > 3 || v.find_first_not_of("0123456789") != std::string::npos ||
-          std::stoi(v) > 255) {
-        throw usage_error("--gid-index: '" + v + "' is not a GID index from 0 to 255");
-      }
-      c.gid_index = std::stoi(v);
+      const std::optional<std::uint64_t> n = parse_whole(v);
+      if (!n || *n > 255) throw usage_error("--gid-index: " + quoted(v) + " is not a GID index from 0 to 255");
+      c.gid_index = static_cast<int>(*n);
       c.gid_index_given = true;
     } else if (key == "--file-size") {
       c.file_size = parse_size(need(), "--file-size");
+    } else if (key == "--check") {
+      c.check = true;
     } else if (key == "--no-metrics") {
       c.metrics = false;
     } else if (key == "--json") {
@@ -315,9 +337,28 @@ inline config parse(int argc, char** argv) {
       throw usage_error("--listen: a verbs target needs a numeric address to listen on, not '" + host + "'");
     }
   }
+  if (c.check && c.mode == "target") {
+    throw usage_error("--check is the initiator's: a target checks the runs whose initiator asks it to");
+  }
+  if (c.check && c.put_completion == "source-reusable") {
+    throw usage_error("--check needs --put-completion landed: a put that ended when its source could be reused "
+                      "may not be in the target's memory yet when the target checks it");
+  }
   if (c.workload == "latency") {
     c.batch = 1;
     c.depth = 1;
+  }
+  if (c.mode != "target") {
+    // Each factor checked against what is left, so that the product cannot wrap.
+    const std::uint64_t block = *std::max_element(c.sizes.begin(), c.sizes.end());
+    const std::uint64_t slots = slots_per_thread(c);
+    if (slots > most_buffer_bytes / block || c.threads > most_buffer_bytes / (slots * block)) {
+      const std::string in_flight = c.workload == "kv" ? "--layers × --requests × --batch" : "--batch × --depth";
+      throw usage_error("--block-size " + c.size_text + ": blocks of " + std::to_string(block) + " bytes × " +
+                        std::to_string(slots) + " in flight per thread (" + in_flight + ") × " +
+                        std::to_string(c.threads) + " --threads need more than the 8 GiB of buffers ferry-perf "
+                        "gives a run");
+    }
   }
   return c;
 }

@@ -1,20 +1,30 @@
 #pragma once
 // The control connection between initiator and target: text lines over a plain TCP socket, every
 // read and write bounded by a deadline, so a peer that goes away ends the run instead of hanging it.
-//   initiator: hello backend=... op=... threads=N slots=N block=N transport=...
-//   target:    ready port=P          (or: error MESSAGE)
+//   initiator: hello backend=B op=read|write threads=N slots=N block=N transport=T duration=S
+//              timeout=S check=0|1 [seed=N]
+//   target:    ready port=P [check=1]        (or: error MESSAGE, and the run is refused)
 //   initiator: done
 //   target:    cpu user_s=U system_s=S ops=N
+//   target:    check ok                      (or: check failed MESSAGE; only when check=1)
+// Each side reads the other's lines strictly (control_line): every field it expects is there once,
+// no other field is, and every number is read whole and range-checked, so a malformed or hostile
+// line is refused with a message naming the field and its value.
 
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <system_error>
+
+#include <arpa/inet.h>
 
 #include <netdb.h>
 #include <netinet/in.h>
@@ -22,6 +32,8 @@
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
+
+#include "numbers.hpp"
 
 namespace ferry_perf {
 
@@ -82,8 +94,13 @@ class control_socket {
     throw control_error("control connection to " + host + ":" + service + ": " + why);
   }
 
+  // A line break inside `line` (an error message's) would split it into two lines: sent as spaces.
   void send_line(const std::string& line, std::chrono::milliseconds timeout) {
-    const std::string text = line + "\n";
+    std::string text = line;
+    for (char& ch : text) {
+      if (ch == '\n' || ch == '\r') ch = ' ';
+    }
+    text += '\n';
     std::size_t off = 0;
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     while (off < text.size()) {
@@ -137,17 +154,103 @@ class control_socket {
   std::string buffered_;
 };
 
-// "word key=value key=value": the word, then the pairs.
-inline std::map<std::string, std::string> parse_fields(const std::string& line, std::string& word) {
-  std::istringstream in(line);
-  in >> word;
-  std::map<std::string, std::string> out;
-  std::string kv;
-  while (in >> kv) {
-    const auto eq = kv.find('=');
-    if (eq != std::string::npos) out[kv.substr(0, eq)] = kv.substr(eq + 1);
+// One line of the control protocol, "word key=value key=value", read strictly. Every accessor
+// throws control_error naming the line's word, the field and its value when the field is missing or
+// its value is not what the protocol allows.
+class control_line {
+ public:
+  // A line that is not `word` followed by fields is refused; so is a field not in `keys`, a token
+  // that is not key=value, or a key given twice.
+  [[nodiscard]] static control_line parse(const std::string& line, const std::string& word,
+                                          std::initializer_list<std::string_view> keys) {
+    control_line out;
+    std::istringstream in(line);
+    in >> out.word_;
+    if (out.word_ != word) throw control_error("expected a '" + word + "' line, not " + quoted(line));
+    std::string token;
+    while (in >> token) {
+      const auto eq = token.find('=');
+      if (eq == std::string::npos || eq == 0) {
+        throw control_error(out.word_ + ": " + quoted(token) + " is not a field (key=value)");
+      }
+      const std::string key = token.substr(0, eq);
+      bool known = false;
+      for (std::string_view k : keys) known = known || k == key;
+      if (!known) throw control_error(out.word_ + ": unknown field " + quoted(token));
+      if (!out.fields_.emplace(key, token.substr(eq + 1)).second) {
+        throw control_error(out.word_ + ": field '" + key + "' given twice");
+      }
+    }
+    return out;
   }
-  return out;
+
+  [[nodiscard]] bool has(const std::string& key) const { return fields_.count(key) != 0; }
+
+  [[nodiscard]] const std::string& text(const std::string& key) const {
+    const auto it = fields_.find(key);
+    if (it == fields_.end()) throw control_error(word_ + ": field '" + key + "' is missing");
+    return it->second;
+  }
+
+  // A whole number from lo to hi.
+  [[nodiscard]] std::uint64_t whole(const std::string& key, std::uint64_t lo, std::uint64_t hi) const {
+    const std::string& v = text(key);
+    const std::optional<std::uint64_t> n = parse_whole(v);
+    if (!n || *n < lo || *n > hi) {
+      throw control_error(word_ + ": " + key + "=" + quoted(v) + " is not a whole number from " + std::to_string(lo) +
+                          " to " + std::to_string(hi));
+    }
+    return *n;
+  }
+
+  // A finite number from lo to hi, of `unit`.
+  [[nodiscard]] double real(const std::string& key, double lo, double hi, const char* unit) const {
+    const std::string& v = text(key);
+    const std::optional<double> n = parse_real(v);
+    if (!n || *n < lo || *n > hi) {
+      throw control_error(word_ + ": " + key + "=" + quoted(v) + " is not a number of " + unit + " from " +
+                          format_real(lo) + " to " + format_real(hi));
+    }
+    return *n;
+  }
+
+  // One of `allowed`.
+  [[nodiscard]] const std::string& one_of(const std::string& key,
+                                          std::initializer_list<std::string_view> allowed) const {
+    const std::string& v = text(key);
+    std::string names;
+    for (std::string_view a : allowed) {
+      if (v == a) return v;
+      names += (names.empty() ? "" : ", ") + std::string(a);
+    }
+    throw control_error(word_ + ": " + key + "=" + quoted(v) + " is not one of " + names);
+  }
+
+ private:
+  std::string word_;
+  std::map<std::string, std::string> fields_;
+};
+
+// The peer's address as a log line names it: "10.0.0.2:41234".
+inline std::string peer_name(int fd) {
+  sockaddr_storage a{};
+  socklen_t len = sizeof a;
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) return "an unknown peer";
+  char host[INET6_ADDRSTRLEN] = "?";
+  unsigned port = 0;
+  if (a.ss_family == AF_INET) {
+    const auto* v4 = reinterpret_cast<const sockaddr_in*>(&a);
+    ::inet_ntop(AF_INET, &v4->sin_addr, host, sizeof host);
+    port = ntohs(v4->sin_port);
+    return std::string(host) + ":" + std::to_string(port);
+  }
+  if (a.ss_family == AF_INET6) {
+    const auto* v6 = reinterpret_cast<const sockaddr_in6*>(&a);
+    ::inet_ntop(AF_INET6, &v6->sin6_addr, host, sizeof host);
+    port = ntohs(v6->sin6_port);
+    return "[" + std::string(host) + "]:" + std::to_string(port);
+  }
+  return "an unknown peer";
 }
 
 // A listening socket for the control connections (non-blocking accept with a poll bound).
