@@ -92,7 +92,9 @@ inline op* finish_sent_frames(engine& e, connection_state* c) noexcept {
 }
 
 // Ends the group in flight. Frames that went out whole succeed. If it was cut short: the frame cut
-// part-way ends with the cause, and since the stream is then out of step, so does every later one
+// part-way fails with the cause (errc::cancelled_part_way for a cancel: part of it reached the
+// peer, so "cancelled", which says nothing happened, would be wrong), and since the stream is then
+// out of step, so does every later one
 // on the connection; after an error, every frame left fails with it; after a cancel at a frame
 // boundary, the untouched frames that cancel() named end cancelled and the others go back to the
 // front of the queue (or end cancelled too, if the connection is closed or the ring shutting
@@ -113,7 +115,7 @@ inline void end_send_group(engine& e, connection_state* c, bool cancelled,
       e.finish(o, transfer_state::success, {});
     } else if (begin < c->group_done) {
       in_step = false;
-      e.finish(o, cancelled ? transfer_state::cancelled : transfer_state::failed, ec);
+      e.finish(o, transfer_state::failed, cancelled ? make_error_code(errc::cancelled_part_way) : ec);
     } else if (cancelled && in_step && !o->frame_cancel && go_on) {
       o->cancel_requested = false;  // the next group's SQE is a new one
       requeue[requeued++] = o;
