@@ -9,9 +9,10 @@
 // has I/O in flight that will soon complete (in_flight()), adaptive mode's spin budget is the longer
 // in_flight_spin: completions due within a few hundred microseconds are met awake.
 //
-// An idle spin (adaptive mode's spin budgets, or a source that only polling serves) pauses the core
-// and never yields the CPU (detail::idle_spin says why): a thread woken onto the executor's CPU
-// waits at most for the spin budget, or preempts the spin.
+// An idle spin (adaptive mode's spin budgets, or a source that only polling serves) offers the CPU
+// once, a few microseconds in (detail::idle_spin says why once): a thread woken onto the
+// executor's CPU runs then rather than after the spin. Busy mode does not: it is for a core given
+// to the executor alone.
 
 #include <algorithm>
 #include <atomic>
@@ -304,6 +305,7 @@ class progress_executor {
       }
       if (handled != 0 || fired != 0) {
         idle = false;
+        spin.restart();
         continue;
       }
       if (options_.mode == progress_mode::busy) {
@@ -338,6 +340,7 @@ class progress_executor {
         completions_.store(completions, std::memory_order_relaxed);
       }
       idle = false;
+      spin.restart();
     }
     stopped_.store(true, std::memory_order_release);
   }

@@ -3,9 +3,9 @@
 //
 // An idle loop looks at its queue for a while before it sleeps: completions that come in bursts a
 // few microseconds apart then continue without a futex wake each, and on a virtual machine without
-// the vCPU halting and being woken again, which costs tens of microseconds. While it looks it only
-// pauses the core; it never yields the CPU, which under Linux's EEVDF scheduler hands it to any
-// runnable task, a niced one included, until the next tick (detail::idle_spin says what was measured).
+// the vCPU halting and being woken again, which costs tens of microseconds. While it looks it pauses
+// the core, and offers its CPU once, a few microseconds in, so that a thread the kernel woke onto
+// that CPU runs then rather than after the spin (detail::idle_spin: why once, and what was measured).
 //
 // How long it looks adapts, as KVM's halt polling does: from 50 µs by default, doubled (up to
 // max_spin, 500 µs by default) after a sleep that ended within max_spin of the moment the loop

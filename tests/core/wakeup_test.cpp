@@ -156,8 +156,8 @@ TEST_CASE("run_loop: work posted to an idle loop runs at once, beside niced CPU 
   // Posts 50 us apart to a loop on another CPU, with four nice-19 loops on every CPU. A loop that
   // yielded its CPU while it spun idle (sched_yield every 5 us, as ferry's did) handed it to the
   // hogs until the next tick: 2 ms late on average, 3.5 ms at the median on a 2-vCPU VM (Linux
-  // 6.18). Pausing the core instead, it met the work within microseconds, but for the rare tick
-  // the hogs' share takes.
+  // 6.18). Yielding once per idle period (detail::idle_spin), it met the work within microseconds
+  // but for the rare tick the hogs' share takes: 80-110 us on average.
   niced_hogs hogs(4);
   ferry::run_loop loop;
   std::atomic<std::int64_t> posted_at{0};
