@@ -15,12 +15,15 @@ namespace ferry {
 namespace detail {
 
 // One look at every member, in index order: the verdict, with `first_sequence` the number of the
-// earliest failure seen.
+// earliest failure seen. `settled`: before looking at a member, wait for any completion of it under
+// way (see name_first_failure).
 [[nodiscard]] inline batch_result look_at(std::span<const transfer> members,
-                                          std::uint64_t& first_sequence) noexcept {
+                                          std::uint64_t& first_sequence,
+                                          bool settled = false) noexcept {
   batch_result r;
   for (std::size_t i = 0; i < members.size(); ++i) {
     const transfer& t = members[i];
+    if (settled && t.status() != nullptr) t.status()->wait_for_completion_under_way();
     const transfer_state s = t.state();
     if (s == transfer_state::success) continue;
     if (s == transfer_state::pending) {
@@ -41,6 +44,23 @@ namespace detail {
               : r.pending != 0 ? verdict::pending
                                : verdict::success;
   return r;
+}
+
+// What a batch wait (wait_all, when_all, drain, the Asio waits) does before it reports `failed`,
+// whichever way it decided, so that it names the failure first in time without exception; poll_all
+// does not, since it never waits. A failing completer takes its number while it holds its status's
+// lock and publishes before it lets go (status_block::complete): every failure numbered before one
+// the caller has seen either shows in its member's state or still holds that member's lock, even
+// if its completer was preempted in between. So each member's completion under way is waited for
+// (for moments, or for as long as such a completer is kept off its CPU), then the member is read.
+// One pass over the members, on the failure path only.
+inline void name_first_failure(batch_result& r, std::span<const transfer> members) noexcept {
+  std::uint64_t first_sequence = 0;
+  const batch_result look = look_at(members, first_sequence, true);
+  if (look.first_failed) {
+    r.first_failed = look.first_failed;
+    r.error = look.error;
+  }
 }
 
 }  // namespace detail

@@ -21,7 +21,10 @@ namespace detail {
   batch_result r = poll_all(members);
   const bool decided =
       mode == batch_mode::short_circuit ? r.verdict != verdict::pending : r.pending == 0;
-  if (decided || t.is_look()) return r;
+  if (decided || t.is_look()) {
+    if (r.verdict == verdict::failed) name_first_failure(r, members);
+    return r;
+  }
   if (members.size() > max_batch_members) {
     return {verdict::failed, std::nullopt, make_error_code(errc::batch_too_large),
             members.size()};

@@ -40,6 +40,7 @@ class [[nodiscard]] when_all_awaitable {
   // Decided without suspending: a failure or full success already visible, or a zero timeout.
   bool await_ready() noexcept {
     result_ = poll_all(members_);
+    if (result_.verdict == verdict::failed) detail::name_first_failure(result_, members_);
     return result_.verdict != verdict::pending || timeout_.is_look();
   }
 

@@ -13,7 +13,10 @@
 #include <ferry/detail/spin.hpp>
 #include <ferry/detail/status_block.hpp>
 #include <ferry/poll_all.hpp>
+#include <ferry/sync_wait.hpp>
+#include <ferry/task.hpp>
 #include <ferry/wait_all.hpp>
+#include <ferry/when_all.hpp>
 
 #include "helpers.hpp"
 
@@ -290,9 +293,9 @@ void hold_after_numbering() noexcept {
 struct numbering_hook {
   numbering_hook() {
     held_at_number.store(0);
-    ferry::detail::after_failure_numbered = &hold_after_numbering;
+    ferry::detail::after_failure_numbered.store(&hold_after_numbering);
   }
-  ~numbering_hook() { ferry::detail::after_failure_numbered = nullptr; }
+  ~numbering_hook() { ferry::detail::after_failure_numbered.store(nullptr); }
   numbering_hook(const numbering_hook&) = delete;
   numbering_hook& operator=(const numbering_hook&) = delete;
 };
@@ -333,6 +336,49 @@ TEST_CASE("the first failure in time is named even when its completer stops befo
   CHECK(r.verdict == verdict::failed);
   CHECK(r.first_failed == 0u);
   CHECK(r.error == first);
+}
+
+TEST_CASE("a wait decided by its first look still names a failure numbered earlier but not yet "
+          "published",
+          "[wait_all][concurrency][regression]") {
+  // Member 0's completer is held between numbering and publishing; member 1 fails after it. A wait
+  // that starts now finds member 1 failed in its first look (poll_all decides: no join at all) and
+  // must still name member 0, for wait_all and for co_await when_all alike.
+  numbering_hook hook;
+  const std::error_code first = std::make_error_code(std::errc::timed_out);
+  for (const bool awaited : {false, true}) {
+    CAPTURE(awaited);
+    held_at_number.store(0);
+    batch b(2);
+    std::thread fail0([&, c = b.completers[0]]() mutable {
+      hold_here = true;
+      c.fail(first);
+    });
+    while (held_at_number.load() != 1) std::this_thread::yield();
+    b.completers[1].fail(io_error);
+    std::atomic<bool> returned{false};
+    ferry::batch_result r;
+    std::thread waiter([&] {
+      if (awaited) {
+        ferry::run_loop loop;
+        r = ferry::sync_wait(loop, [](std::span<const ferry::transfer> ts)
+                                       -> ferry::task<ferry::batch_result> {
+          co_return co_await ferry::when_all(ts, hang_bound);
+        }(b.transfers));
+      } else {
+        r = ferry::wait_all(b.transfers, hang_bound);
+      }
+      returned.store(true);
+    });
+    std::this_thread::sleep_for(50ms);
+    CHECK_FALSE(returned.load());  // it waits for member 0's completion to publish
+    held_at_number.store(2);
+    waiter.join();
+    fail0.join();
+    CHECK(r.verdict == verdict::failed);
+    CHECK(r.first_failed == 0u);
+    CHECK(r.error == first);
+  }
 }
 
 TEST_CASE("a wait's verdict and a later poll_all agree on the first failure under racing failures",

@@ -221,7 +221,8 @@ struct initiate_wait {
   void operator()(Handler&& handler, Members members, timeout t, batch_mode mode) const {
     using op_type = operation<std::decay_t<Handler>, Members>;
     const std::span<const transfer> span = members.get();
-    const batch_result r = poll_all(span);
+    batch_result r = poll_all(span);
+    if (r.verdict == verdict::failed) ferry::detail::name_first_failure(r, span);
     if (decided(r, mode) || t.is_look()) {
       post_now(std::forward<Handler>(handler), std::error_code{}, completion_value(r, members));
       return;

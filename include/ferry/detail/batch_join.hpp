@@ -294,32 +294,21 @@ class batch_join {
 
   // Two corrections made by the waiting side, which still holds the members, so that neither costs
   // the verdict path anything:
-  //  - a failure is reported as the earliest in time. A failing completer holds its member's lock
-  //    from before it takes its number until it has published its state (status_block::complete).
-  //    So every failure numbered before the one that decided either shows in its member's state
-  //    now or still holds that member's lock: wait for each member's completion under way, then
-  //    look at the members. That covers a completer preempted between taking its number and
-  //    publishing, which no bounded wait would (rare: concurrent failures; the look is one pass);
+  //  - a failure is reported as the earliest in time, even one whose completer was preempted
+  //    between taking its number and publishing (name_first_failure in poll_all.hpp; rare:
+  //    concurrent failures; one pass over the members);
   //  - a timeout is confirmed by a look at the members: a completion published before the deadline
-  //    whose notification was still on its way decides instead (rare: the timeout path).
+  //    whose notification was still on its way decides instead (rare: the timeout path), and a
+  //    failure found so is named as any other.
   void settle(batch_result& r, std::span<const transfer> members) noexcept {
     if (r.verdict == verdict::timed_out) {
       const batch_result look = poll_all(members);
       const bool decided = mode_ == batch_mode::short_circuit ? look.verdict != verdict::pending
                                                               : look.pending == 0;
-      if (decided) r = look;
-      return;
+      if (!decided) return;
+      r = look;
     }
-    if (r.verdict != verdict::failed) return;
-    for (const transfer& t : members) {
-      if (const status_block* s = t.status(); s != nullptr) s->wait_for_completion_under_way();
-    }
-    std::uint64_t first_sequence = 0;
-    const batch_result look = look_at(members, first_sequence);
-    if (look.first_failed) {
-      r.first_failed = look.first_failed;
-      r.error = look.error;
-    }
+    if (r.verdict == verdict::failed) name_first_failure(r, members);
   }
 
   static void on_member(waiter* w, const completion_event& ev) noexcept {

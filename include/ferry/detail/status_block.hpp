@@ -80,7 +80,7 @@ inline failure_clock failures;
 // Tests only: called by a failing completion after it has taken its number and before it publishes
 // its state, so that a test can hold a completer there (as if preempted). Null unless a test sets
 // it: one predictable branch on the failure path.
-inline void (*after_failure_numbered)() noexcept = nullptr;
+inline std::atomic<void (*)() noexcept> after_failure_numbered{nullptr};
 
 class alignas(64) status_block {
  public:
@@ -130,7 +130,7 @@ class alignas(64) status_block {
       // Taken under the lock, with acq_rel: whoever sees a later number also sees this status
       // locked, until it has published (batch_join::settle waits for that).
       sequence_ = failures.sequence.fetch_add(1, std::memory_order_acq_rel) + 1;
-      if (after_failure_numbered != nullptr) after_failure_numbered();
+      if (auto* hook = after_failure_numbered.load(std::memory_order_relaxed); hook != nullptr) hook();
     } else {
       ec = {};
     }
