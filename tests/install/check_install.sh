@@ -98,6 +98,25 @@ for refused in "$((major + 1)).0" "$major.999" "$((major + 1)).0...$((major + 2)
   fi
 done
 
+# A required component ferry lacks is refused with a message that says why: one it does not know,
+# and one it was built without (where there is one).
+wanting() {
+  rm -rf "$scratch/cmake-want"
+  cmake -G Ninja -S "$source/tests/install" -B "$scratch/cmake-want" \
+    -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_CXX_COMPILER="$cxx" -DFERRY_COMPONENTS="$1" \
+    >"$scratch/want.log" 2>&1
+}
+if wanting bogus; then echo "find_package(ferry COMPONENTS bogus) succeeded" >&2; exit 1; fi
+grep -q "ferry has no component 'bogus'" "$scratch/want.log" || {
+  cat "$scratch/want.log" >&2; echo "find_package(ferry COMPONENTS bogus) did not say why" >&2; exit 1; }
+for p in uring verbs ucx gpu_hip gpu_cuda; do
+  case " $parts " in *" $(echo "$p" | tr _ -) "*) continue ;; esac
+  if wanting "$p"; then echo "find_package(ferry COMPONENTS $p) succeeded without it" >&2; exit 1; fi
+  grep -q "ferry::$p is not available: this ferry was built without" "$scratch/want.log" || {
+    cat "$scratch/want.log" >&2; echo "find_package(ferry COMPONENTS $p) did not say why" >&2; exit 1; }
+  break
+done
+
 echo "Meson subproject consumers"
 parent="$scratch/parent"
 mkdir -p "$parent/subprojects"
