@@ -30,6 +30,14 @@ namespace ferry::python {
 
 namespace py = pybind11;
 
+// A constructor's executor argument. pybind11 passes None as an empty pointer: refuse it by name
+// instead of using it (ferry.Loopback(None) crashed the interpreter).
+template <class Executor>
+Executor& executor_arg(const std::shared_ptr<Executor>& exec, const char* who) {
+  if (!exec) throw py::type_error(std::string(who) + ": executor must be a ferry.Executor, not None");
+  return *exec;
+}
+
 // A Python buffer (bytearray, numpy array, memoryview, mmap, ...) held while a transfer may use its
 // memory. While a view is held its exporter keeps the memory where it is: a bytearray refuses to
 // resize, a numpy array to be resized in place. Released only with the GIL held.

@@ -540,6 +540,7 @@ void add_core(py::module_& m) {
   py::class_<py_loopback, std::shared_ptr<py_loopback>>(
       m, "Loopback", "Copies between buffers of this process, completed by the executor.")
       .def(py::init([](std::shared_ptr<progress_executor> exec, std::size_t queue_depth) {
+             executor_arg(exec, "ferry.Loopback");
              auto l = std::make_shared<py_loopback>();
              l->backend = std::make_unique<loopback_backend>(*exec, loopback_options{queue_depth});
              l->exec = std::move(exec);

@@ -41,6 +41,7 @@ void add_testing(py::module_& parent) {
                        double hang_rate, double delay_rate, py::handle max_delay,
                        std::size_t reorder_window, py::handle reorder_hold, py::handle error,
                        std::uint64_t seed) {
+             executor_arg(exec, "ferry.testing.FaultInjector");
              fault_profile p;
              p.failure_rate = failure_rate;
              p.hang_rate = hang_rate;

@@ -270,6 +270,7 @@ void add_ucx(py::module_& parent) {
       .def(py::init([](std::shared_ptr<progress_executor> exec, const std::string& transports,
                        const std::string& devices, bool peer_error_handling, py::handle keepalive,
                        py::handle settings, py::handle close_timeout) {
+             executor_arg(exec, "ferry.ucx.Worker");
              ucx::worker_options o;
              o.transports = transports;
              o.devices = devices;

@@ -71,6 +71,7 @@ void add_uring(py::module_& parent) {
       "still holds, so no buffer is written afterwards.")
       .def(py::init([](std::shared_ptr<progress_executor> exec, unsigned entries,
                        unsigned submit_batch, bool defer_task_work) {
+             executor_arg(exec, "ferry.uring.Ring");
              auto r = std::make_shared<py_ring>();
              uring::ring_options o;
              o.entries = entries;
