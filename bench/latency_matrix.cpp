@@ -316,7 +316,7 @@ measured loopback_ferry(const std::string& mode, std::size_t block, int warm, in
       warm, rounds,
       [&]() -> ferry::task<> {
         ferry::transfer t = lb.copy(dst, src);
-        co_await t;
+        (void)co_await t;
         check(t, "loopback copy");
       },
       [] {}, [] { return NAN; });
@@ -402,7 +402,7 @@ measured file_ferry(const bench_file& f, const std::string& mode, std::size_t bl
       warm, rounds,
       [&]() -> ferry::task<> {
         ferry::transfer t = r.read(f.fd, buf.span(), at.next());
-        co_await t;
+        (void)co_await t;
         check(t, "file read");
       },
       [] {}, [] { return NAN; });
@@ -508,10 +508,10 @@ int serve_tcp_ferry(const std::string& mode, std::size_t block) {
     for (;;) {
       ferry::uring::received_block got{};
       ferry::transfer in = c.receive(b, got);
-      co_await in;
+      (void)co_await in;
       if (in.state() != ferry::transfer_state::success) break;
       ferry::transfer out = c.send(got.id, std::span<const std::byte>(b).first(got.length));
-      co_await out;
+      (void)co_await out;
       if (out.state() != ferry::transfer_state::success) break;
     }
   }());
@@ -533,8 +533,8 @@ measured tcp_ferry(const std::string& mode, std::size_t block, int warm, int rou
         ferry::uring::received_block got{};
         ferry::transfer reply = c.receive(in, got);
         ferry::transfer sent = c.send(++id, out);
-        co_await sent;
-        co_await reply;
+        (void)co_await sent;
+        (void)co_await reply;
         check(sent, "tcp send");
         check(reply, "tcp receive");
       },
@@ -593,7 +593,7 @@ measured ucx_ferry(const std::string& mode, const std::string& transport, std::s
       warm, rounds,
       [&]() -> ferry::task<> {
         ferry::transfer t = ep.get(local.slice(0, block), remote.slice(0, block), 10s);
-        co_await t;
+        (void)co_await t;
         check(t, "ucx get");
       },
       [&] { server.go(); }, [&] { return server.stop(); });
