@@ -887,3 +887,15 @@ TEST_CASE("ucx: an accept_async dropped unawaited does not take the next peer", 
   CHECK(n.wait_for(hang_bound) == transfer_state::success);
   CHECK(w.wait_for(hang_bound) == transfer_state::success);
 }
+
+TEST_CASE("ucx: transports UCX has none of are refused naming the setting", "[ucx]") {
+  ferry::progress_executor exec;
+  try {
+    ucx::worker w(exec, over("bogus"));
+    FAIL("a worker was made with transports \"bogus\"");
+  } catch (const std::system_error& e) {
+    const std::string what = e.what();
+    CAPTURE(what);
+    CHECK(what.find("worker_options::transports \"bogus\"") != std::string::npos);
+  }
+}

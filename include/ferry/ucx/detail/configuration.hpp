@@ -76,7 +76,18 @@ inline std::shared_ptr<context_holder> make_context(const worker_options& option
     p.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
     // Memory is mapped and keys packed on the caller's thread.
     p.mt_workers_shared = 1;
-    check_status(::ucp_init(&p, config, &context->context), "ucp_init");
+    const ucs_status_t s = ::ucp_init(&p, config, &context->context);
+    if (s == UCS_ERR_NO_DEVICE) {
+      // UCX took the settings but found nothing usable among them: say which ones.
+      check_status(s, ("ucp_init: no usable transport among worker_options::transports \"" +
+                       options.transports + "\"" +
+                       (options.devices.empty() ? std::string()
+                                                : " on worker_options::devices \"" +
+                                                      options.devices + "\"") +
+                       " (UCX's log above lists those it has)")
+                          .c_str());
+    }
+    check_status(s, "ucp_init");
   } catch (...) {
     ::ucp_config_release(config);
     throw;
