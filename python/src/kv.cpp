@@ -142,6 +142,15 @@ void add_kv(py::module_& parent) {
       "of it is terminal; cancel(transfer) asks the backend to end a transfer of a timed-out or "
       "aborted request (e.g. ring.cancel).")
       .def(py::init([](py::object release, py::object cancel) {
+             // Checked here, not when a request first ends (LoadTracker(release=42) was taken).
+             if (!release.is_none() && !PyCallable_Check(release.ptr())) {
+               throw py::type_error("ferry.kv.LoadTracker: release must be callable or None, not " +
+                                    std::string(py::str(py::type::of(release).attr("__name__"))));
+             }
+             if (!cancel.is_none() && !PyCallable_Check(cancel.ptr())) {
+               throw py::type_error("ferry.kv.LoadTracker: cancel must be callable or None, not " +
+                                    std::string(py::str(py::type::of(cancel).attr("__name__"))));
+             }
              load_tracker::release_fn r;
              if (!release.is_none()) {
                r = [release](kv::request_id id, kv::request_verdict v) { release(id, v); };

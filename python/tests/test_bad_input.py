@@ -33,3 +33,18 @@ def test_an_executor_given_as_none_is_a_type_error_naming_it(expression, who, pa
     assert r.returncode == 0, f"{expression} ended the interpreter ({r.returncode}): {r.stderr}"
     assert "TypeError:" in r.stdout, r.stdout + r.stderr
     assert who in r.stdout and "None" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("arguments,name", [("release=42", "release"), ("cancel='no'", "cancel")])
+def test_a_load_tracker_callback_that_cannot_be_called_is_refused_when_given(arguments, name):
+    code = (
+        "import ferry, ferry.kv\n"
+        + "try:\n"
+        + f"    ferry.kv.LoadTracker({arguments})\n"
+        + "except TypeError as e:\n"
+        + "    print('TypeError:', e)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env=os.environ)
+    assert r.returncode == 0, r.stderr
+    assert "TypeError:" in r.stdout and f"{name} must be callable" in r.stdout, r.stdout + r.stderr
