@@ -18,6 +18,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <ferry/detail/spin.hpp>
+#include <ferry/detail/status_block.hpp>
 #include <ferry/ferry.hpp>
 #include <ferry/metrics.hpp>
 
@@ -236,6 +238,51 @@ int later_failure_named(std::size_t n, int rounds, Look look) {
   }
   return wrong;
 }
+
+// Failing completions held between taking their failure number and publishing their state
+// (status_block's test hook), as a completer preempted there would be. fail_held() fails a
+// completer on a thread of its own and returns once that completion holds its number unpublished;
+// release() lets it publish. A thread that calls linger(n) spins n pauses there instead on each of
+// its failures: a completer slow to publish. One at a time in a process.
+class numbering_hold {
+ public:
+  numbering_hold() { ferry::detail::after_failure_numbered.store(&at_number); }
+  ~numbering_hold() {
+    release();
+    ferry::detail::after_failure_numbered.store(nullptr);
+  }
+  numbering_hold(const numbering_hold&) = delete;
+  numbering_hold& operator=(const numbering_hold&) = delete;
+
+  void fail_held(ferry::completer c, std::error_code ec) {
+    stage_.store(0);
+    failing_ = std::thread([c = std::move(c), ec]() mutable {
+      held_here_ = true;
+      c.fail(ec);
+    });
+    while (stage_.load() != 1) std::this_thread::yield();
+  }
+
+  void release() {
+    stage_.store(2);
+    if (failing_.joinable()) failing_.join();
+  }
+
+  static void linger(int pauses) noexcept { linger_here_ = pauses; }
+
+ private:
+  static void at_number() noexcept {
+    for (int i = 0; i < linger_here_; ++i) ferry::detail::cpu_relax();
+    if (!held_here_) return;
+    stage_.store(1);
+    while (stage_.load() != 2) std::this_thread::yield();
+  }
+
+  static inline thread_local bool held_here_ = false;
+  static inline thread_local int linger_here_ = 0;
+  static inline std::atomic<int> stage_{0};  // 1: a completion is held; 2: let it go
+  std::thread failing_;
+};
 
 // Wake-up tests ([wakeup]): round trips through a completion source with its executor parking
 // (park mode, then adaptive) must not wait for a scheduler tick, a timer or a later poll to be

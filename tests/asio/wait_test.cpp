@@ -15,7 +15,6 @@
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <ferry/asio/wait.hpp>
-#include <ferry/detail/status_block.hpp>
 #include <future>
 #include <system_error>
 #include <thread>
@@ -301,38 +300,21 @@ TEST_CASE(
   WARN("aborted " << aborted << ", succeeded " << succeeded);
 }
 
-namespace {
-thread_local bool hold_numbered_here = false;
-std::atomic<int> numbered_stage{0};  // 1: a completer is held after numbering; 2: let it go
-void hold_numbered() noexcept {
-  if (!hold_numbered_here) return;
-  numbered_stage.store(1);
-  while (numbered_stage.load() != 2) std::this_thread::yield();
-}
-}  // namespace
-
 TEST_CASE("async_wait_all decided at initiation still names a failure numbered earlier but not yet "
           "published",
           "[asio][concurrency][regression]") {
   // Member 0's completer is held between taking its failure number and publishing; member 1 fails
   // after it, so the initiating look decides. The verdict must name member 0.
-  ferry::detail::after_failure_numbered.store(&hold_numbered);
-  numbered_stage.store(0);
+  numbering_hold hold;
   batch b(2);
   const std::error_code first = std::make_error_code(std::errc::timed_out);
-  std::thread fail0([&, c = b.completers[0]]() mutable {
-    hold_numbered_here = true;
-    c.fail(first);
-  });
-  while (numbered_stage.load() != 1) std::this_thread::yield();
+  hold.fail_held(b.completers[0], first);
   b.completers[1].fail(io_error);
   std::future<ferry::batch_result> f;
   std::thread initiator([&] { f = ferry::async_wait_all(b.transfers, 5s, asio::use_future); });
   std::this_thread::sleep_for(50ms);
-  numbered_stage.store(2);
+  hold.release();
   initiator.join();
-  fail0.join();
-  ferry::detail::after_failure_numbered.store(nullptr);
   const ferry::batch_result r = f.get();
   CHECK(r.verdict == verdict::failed);
   CHECK(r.first_failed == 0u);

@@ -274,40 +274,12 @@ TEST_CASE("a member that never ends keeps no part of a wait_all that timed out",
   b.completers[0].succeed();
 }
 
-namespace {
-
-// Holds a failing completion between taking its number and publishing its state, as a completer
-// preempted there would be, on the thread that set `hold_here` only.
-// Or, where `linger_here` is set, spins that many pauses there: a completer slow to publish.
-thread_local bool hold_here = false;
-thread_local int linger_here = 0;
-std::atomic<int> held_at_number{0};  // 1: a completer is held; 2: let it go
-
-void hold_after_numbering() noexcept {
-  for (int i = 0; i < linger_here; ++i) ferry::detail::cpu_relax();
-  if (!hold_here) return;
-  held_at_number.store(1);
-  while (held_at_number.load() != 2) std::this_thread::yield();
-}
-
-struct numbering_hook {
-  numbering_hook() {
-    held_at_number.store(0);
-    ferry::detail::after_failure_numbered.store(&hold_after_numbering);
-  }
-  ~numbering_hook() { ferry::detail::after_failure_numbered.store(nullptr); }
-  numbering_hook(const numbering_hook&) = delete;
-  numbering_hook& operator=(const numbering_hook&) = delete;
-};
-
-}  // namespace
-
 TEST_CASE("the first failure in time is named even when its completer stops before publishing",
           "[wait_all][concurrency][regression]") {
   // Member 0's failure takes the earlier number, then its completer stops before the state is
   // published; member 1's failure is published, delivered, and decides the wait. The verdict must
   // still name member 0: the wait holds on until member 0's completion is no longer under way.
-  numbering_hook hook;
+  numbering_hold hold;
   batch b(2);
   std::atomic<bool> returned{false};
   ferry::batch_result r;
@@ -322,17 +294,12 @@ TEST_CASE("the first failure in time is named even when its completer stops befo
            b.transfers[1].status()->linked_waiters() == 1;
   }));
   const std::error_code first = std::make_error_code(std::errc::timed_out);
-  std::thread fail0([&, c = b.completers[0]]() mutable {
-    hold_here = true;
-    c.fail(first);
-  });
-  while (held_at_number.load() != 1) std::this_thread::yield();
+  hold.fail_held(b.completers[0], first);
   b.completers[1].fail(io_error);
   std::this_thread::sleep_for(50ms);  // the waiter has had its verdict decided by member 1
   CHECK_FALSE(returned.load());       // ...and waits for member 0's completion to publish
-  held_at_number.store(2);
+  hold.release();
   waiter.join();
-  fail0.join();
   CHECK(r.verdict == verdict::failed);
   CHECK(r.first_failed == 0u);
   CHECK(r.error == first);
@@ -344,17 +311,12 @@ TEST_CASE("a wait decided by its first look still names a failure numbered earli
   // Member 0's completer is held between numbering and publishing; member 1 fails after it. A wait
   // that starts now finds member 1 failed in its first look (poll_all decides: no join at all) and
   // must still name member 0, for wait_all and for co_await when_all alike.
-  numbering_hook hook;
+  numbering_hold hold;
   const std::error_code first = std::make_error_code(std::errc::timed_out);
   for (const bool awaited : {false, true}) {
     CAPTURE(awaited);
-    held_at_number.store(0);
     batch b(2);
-    std::thread fail0([&, c = b.completers[0]]() mutable {
-      hold_here = true;
-      c.fail(first);
-    });
-    while (held_at_number.load() != 1) std::this_thread::yield();
+    hold.fail_held(b.completers[0], first);
     b.completers[1].fail(io_error);
     std::atomic<bool> returned{false};
     ferry::batch_result r;
@@ -372,9 +334,8 @@ TEST_CASE("a wait decided by its first look still names a failure numbered earli
     });
     std::this_thread::sleep_for(50ms);
     CHECK_FALSE(returned.load());  // it waits for member 0's completion to publish
-    held_at_number.store(2);
+    hold.release();
     waiter.join();
-    fail0.join();
     CHECK(r.verdict == verdict::failed);
     CHECK(r.first_failed == 0u);
     CHECK(r.error == first);
@@ -387,7 +348,7 @@ TEST_CASE("a wait's verdict and a later poll_all agree on the first failure unde
   // lingering a random while between taking its number and publishing (as a preempted completer
   // would, only more often), while a thread waits on the batch: the verdict names the failure
   // first in time, which a poll_all after everything has ended confirms.
-  numbering_hook hook;
+  numbering_hold hold;
   constexpr int rounds = 3000;
   constexpr std::size_t failers = 3;
   int disagreements = 0;
@@ -401,7 +362,7 @@ TEST_CASE("a wait's verdict and a later poll_all agree on the first failure unde
       const int pause = static_cast<int>(rng() % 2000);
       const int linger = static_cast<int>(rng() % 2000);
       threads.emplace_back([&, k, pause, linger, c = b.completers[k]]() mutable {
-        linger_here = linger;
+        numbering_hold::linger(linger);
         ready.fetch_add(1);
         while (!go.load(std::memory_order_acquire)) std::this_thread::yield();
         for (int i = 0; i < pause; ++i) ferry::detail::cpu_relax();
