@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <coroutine>
+#include <cstdarg>
 #include <exception>
 #include <cstdint>
 #include <cstdio>
@@ -67,6 +68,63 @@ inline std::string human_ns(double ns) {
   }
   return buf;
 }
+
+// What a run prints. The full run prints every group's tables as it goes, then the targets. A quick
+// run prints none of that: each group hands its headline figures to report_figure (and what it
+// skipped to note), and main prints them as one short table at the end.
+inline bool& tables_shown() {
+  static bool shown = true;
+  return shown;
+}
+
+// printf for the detailed tables: prints only where the run shows them (not in a quick summary).
+[[gnu::format(printf, 1, 2)]] inline void full_printf(const char* format, ...) {
+  if (!tables_shown()) return;
+  va_list args;
+  va_start(args, format);
+  std::vprintf(format, args);
+  va_end(args);
+}
+
+// One line of the quick summary: ferry's figure beside its baseline's, measured in the same run.
+struct figure {
+  std::string what;           // what was measured
+  std::string ferry;          // ferry's figure, with its unit
+  std::string baseline;       // the baseline's figure, or "-" where the bench has none
+  std::string baseline_name;  // which baseline: "raw liburing", "fio", "blocking sockets", ...
+  std::string ratio;          // ferry / baseline, e.g. "1.08x", or "-"
+  std::string cpu;            // CPU per operation, "ferry / baseline", or "-" where not measured
+};
+
+inline std::vector<figure>& figures() {
+  static std::vector<figure> all;
+  return all;
+}
+
+inline void report_figure(figure f) { figures().push_back(std::move(f)); }
+
+// "1.08x" for a ratio, or "-" where the baseline measured nothing.
+inline std::string ratio_text(double ferry, double baseline) {
+  if (!(baseline > 0)) return "-";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2fx", ferry / baseline);
+  return buf;
+}
+
+// "ferry / baseline" for two CPU times per operation; "-" for one not measured.
+inline std::string cpu_pair(double ferry_ns, double baseline_ns) {
+  return (ferry_ns > 0 ? human_ns(ferry_ns) : std::string("-")) + " / " +
+         (baseline_ns > 0 ? human_ns(baseline_ns) : std::string("-"));
+}
+
+// Something a quick summary should mention that is not a figure: a group skipped, a baseline
+// missing.
+inline std::vector<std::string>& notes() {
+  static std::vector<std::string> all;
+  return all;
+}
+
+inline void note(std::string text) { notes().push_back(std::move(text)); }
 
 // A target line: measured against what it must reach, printed as MET or MISSED.
 struct target {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #include <ferry/kv.hpp>
@@ -68,18 +69,27 @@ void run_kv(const options& opt) {
   const double step_ns = tracked_ns[tracked_ns.size() / 2];
   const double bare = bare_ns[bare_ns.size() / 2];
   const double per_transfer = step_ns / static_cast<double>(per_step);
-  std::printf("\n## KV load tracking, per engine step (%zu requests x %zu layers x %zu transfers = "
+  full_printf("\n## KV load tracking, per engine step (%zu requests x %zu layers x %zu transfers = "
               "%zu transfers; median of %d steps)\n\n",
               requests, layers, per_layer, per_step, steps);
-  std::printf("| | per step | per transfer |\n|---|---|---|\n");
-  std::printf("| load_tracker: register, seal, verdicts, %zu layer waits, hand back | %s | %.1f ns |\n",
+  full_printf("| | per step | per transfer |\n|---|---|---|\n");
+  full_printf("| load_tracker: register, seal, verdicts, %zu layer waits, hand back | %s | %.1f ns |\n",
               layers, human_ns(step_ns).c_str(), per_transfer);
-  std::printf("| bare poll_all over the same transfers | %s | %.1f ns |\n", human_ns(bare).c_str(),
+  full_printf("| bare poll_all over the same transfers | %s | %.1f ns |\n", human_ns(bare).c_str(),
               bare / static_cast<double>(per_step));
-  std::printf("\n(%zu requests released; checksum %zu)\n", released, checksum);
+  full_printf("\n(%zu requests released; checksum %zu)\n", released, checksum);
   char measured[64];
   std::snprintf(measured, sizeof measured, "%.1f ns per transfer", per_transfer);
   report_target("KV bookkeeping <= 100 ns per transfer", measured, per_transfer <= 100.0);
+  const double bare_per_transfer = bare / static_cast<double>(per_step);
+  const auto measured_ns = [](double ns) {
+    char out[32];
+    std::snprintf(out, sizeof out, "%.1f ns", ns);
+    return std::string(out);
+  };
+  report_figure({"kv bookkeeping per transfer", measured_ns(per_transfer),
+                 measured_ns(bare_per_transfer), "bare poll_all",
+                 ratio_text(per_transfer, bare_per_transfer), "-"});
 }
 
 }  // namespace ferry_bench

@@ -325,15 +325,15 @@ std::vector<row> measure_setting(const setting& s, int fast_iters, int slow_iter
 }
 
 void print_setting(const setting& s, const std::vector<row>& rows, double gap_p50) {
-  std::printf("\n### %s, %s (completions a median %s after the waiter blocks)\n\n",
+  full_printf("\n### %s, %s (completions a median %s after the waiter blocks)\n\n",
               s.pinned ? "pinned apart" : "unpinned",
               s.loaded ? "every CPU busy with another process" : "idle machine",
               human_ns(gap_p50).c_str());
-  std::printf("| waiter | p50 | p99 | p50 / condition variable | CPU per wait: waiter | CPU per "
+  full_printf("| waiter | p50 | p99 | p50 / condition variable | CPU per wait: waiter | CPU per "
               "wait: completer |\n|---|---|---|---|---|---|\n");
   const double cv = rows[cv_row].latency.p50;
   for (const row& r : rows) {
-    std::printf("| %s | %s | %s | %.2fx | %s | %s |\n", r.name, human_ns(r.latency.p50).c_str(),
+    full_printf("| %s | %s | %s | %.2fx | %s | %s |\n", r.name, human_ns(r.latency.p50).c_str(),
                 human_ns(r.latency.p99).c_str(), r.latency.p50 / cv,
                 human_ns(r.waiter_cpu_ns).c_str(), human_ns(r.completer_cpu_ns).c_str());
   }
@@ -349,10 +349,10 @@ void run_latency(const options& opt) {
   const int slow_iters = opt.quick ? 20 : 200;
   const int passes = opt.quick ? 3 : 10;
 
-  std::printf("\n## Completion -> resume latency, and CPU time per wait (%d rounds per waiter in %d "
+  full_printf("\n## Completion -> resume latency, and CPU time per wait (%d rounds per waiter in %d "
               "interleaved passes, %d beside the load; 1 ms polling: %d)\n",
               fast_iters, passes, loaded_iters, slow_iters);
-  std::printf("\nCPU per wait: the waiter's from just before it blocks until it runs again; the "
+  full_printf("\nCPU per wait: the waiter's from just before it blocks until it runs again; the "
               "completer's in the call that completes.\n");
 
   const setting settings[] = {
@@ -372,11 +372,25 @@ void run_latency(const options& opt) {
 
     const double wait = rows[default_wait_row].latency.p50;
     const double cv = rows[cv_row].latency.p50;
+    // CPU per wait, for the quick summary: the waiter's and the completer's together.
+    const auto cpu = [&](std::size_t r) {
+      return rows[r].waiter_cpu_ns + rows[r].completer_cpu_ns;
+    };
     if (s.pinned && !s.loaded) {
       const double co = rows[co_await_row].latency.p50;
       const double floor = rows[floor_row].latency.p50;
+      report_figure({"co_await resume, spinning scheduler, p50", human_ns(co), human_ns(floor),
+                     "atomic handoff, spins", ratio_text(co, floor),
+                     cpu_pair(cpu(co_await_row), cpu(floor_row))});
       std::snprintf(buf, sizeof buf, "%.2fx the floor", co / floor);
       report_target("co_await p50 within 3x of the bare handoff", buf, co <= 3 * floor);
+    }
+    // The quick summary keeps the pinned setting without the added load: beside the load, a
+    // quick run's few rounds give medians that jump between microseconds and milliseconds.
+    if (s.pinned && !s.loaded) {
+      report_figure({"blocking wait() p50, threads pinned apart", human_ns(wait), human_ns(cv),
+                     "condition variable", ratio_text(wait, cv),
+                     cpu_pair(cpu(default_wait_row), cpu(cv_row))});
     }
     std::snprintf(buf, sizeof buf, "%.2fx the condition variable; CPU per wait %s against %s",
                   wait / cv, human_ns(rows[default_wait_row].waiter_cpu_ns).c_str(),

@@ -171,7 +171,7 @@ double ferry_coroutines(uring::ring& r, const test_file& f, const workload& w, d
   }
   loop.run();
   const double elapsed = std::chrono::duration<double>(clock_type::now() - start).count();
-  if (errors != 0) std::printf("  (ferry coroutines: %llu reads failed)\n", (unsigned long long)errors);
+  if (errors != 0) full_printf("  (ferry coroutines: %llu reads failed)\n", (unsigned long long)errors);
   return static_cast<double>(done) / elapsed;
 }
 
@@ -483,6 +483,14 @@ double median_of(std::vector<double> v) {
 
 // Per-pass ratios as their median to two places, `opening`, then their range and ")":
 // "0.97x (passes 0.90-1.05)" with opening "x (passes ".
+// The median of per-pass ratios as "1.08x", for the quick summary; "-" if no pass had a baseline.
+std::string median_ratio(const std::vector<double>& v) {
+  if (v.empty()) return "-";
+  char out[32];
+  std::snprintf(out, sizeof out, "%.2fx", median_of(v));
+  return out;
+}
+
 std::string median_and_range(std::vector<double> v, const char* opening) {
   std::sort(v.begin(), v.end());
   char out[96];
@@ -548,30 +556,34 @@ void run_uring_cached(const options& opt, bool fio) {
         }
       });
   const auto ratio = [](const std::vector<double>& v) { return median_and_range(v, " ("); };
-  std::printf("\n## io_uring 4 KiB random reads at QD 32 from the page cache (%zu MiB file read "
+  full_printf("\n## io_uring 4 KiB random reads at QD 32 from the page cache (%zu MiB file read "
               "into the cache first, buffered; medians over %d passes of %.1f s per runner; ratios "
               "are medians of the ratios within each pass, with their range)\n\n",
               f.size >> 20, passes, seconds);
-  std::printf("| ferry co_await, engine thread | ferry co_await, executor thread | the same, "
+  full_printf("| ferry co_await, engine thread | ferry co_await, executor thread | the same, "
               "submit_batch 0 | raw liburing, batched | raw liburing, per read | fio io_uring "
               "|\n|---|---|---|---|---|---|\n| %s IOPS | %s IOPS | %s IOPS | %s IOPS | %s IOPS | %s |\n",
               rate(median_of(co)).c_str(), rate(median_of(inl)).c_str(),
               rate(median_of(inl_all)).c_str(), rate(median_of(raw)).c_str(),
               rate(median_of(raw_each)).c_str(),
               fio ? (rate(median_of(fi)) + " IOPS").c_str() : "-");
-  std::printf("\n| ratio | engine thread | executor thread | executor thread, submit_batch 0 | raw "
+  full_printf("\n| ratio | engine thread | executor thread | executor thread, submit_batch 0 | raw "
               "per read |\n|---|---|---|---|---|\n");
   if (fio) {
-    std::printf("| / fio | %s | %s | %s | %s |\n", ratio(co_fio).c_str(), ratio(inl_fio).c_str(),
+    full_printf("| / fio | %s | %s | %s | %s |\n", ratio(co_fio).c_str(), ratio(inl_fio).c_str(),
                 ratio(inl_all_fio).c_str(), ratio(raw_fio).c_str());
   }
-  std::printf("| / raw batched | | %s | %s | |\n", ratio(inl_raw).c_str(),
+  full_printf("| / raw batched | | %s | %s | |\n", ratio(inl_raw).c_str(),
               ratio(inl_all_raw).c_str());
+  report_figure({"4 KiB page-cache reads, QD 32, executor thread", rate(median_of(inl)) + " IOPS",
+                 rate(median_of(raw)) + " IOPS", "raw liburing",
+                 median_ratio(inl_raw), "-"});
 }
 
 void run_uring(const options& opt) {
   if (const std::string why = uring_unavailable(); !why.empty()) {
-    std::printf("\n## io_uring\n\nskipped: io_uring is not available here (%s)\n", why.c_str());
+    full_printf("\n## io_uring\n\nskipped: io_uring is not available here (%s)\n", why.c_str());
+    note("io_uring file reads: not measured, io_uring is not available here (" + why + ")");
     return;
   }
   const double seconds = opt.quick ? 0.2 : 1.0;
@@ -581,12 +593,12 @@ void run_uring(const options& opt) {
   const int target_passes = opt.quick ? 1 : 11;
   test_file f(opt.quick ? (64u << 20) : (512u << 20));
   const bool fio = have_fio();
-  std::printf("\n## io_uring file reads (%s, %zu MiB file, %s; medians over %d passes of %.1f s per "
+  full_printf("\n## io_uring file reads (%s, %zu MiB file, %s; medians over %d passes of %.1f s per "
               "runner, %d for QD 32, each pass in a new order; ratios are medians of the ratios "
               "within each pass)\n\n",
               f.direct ? "O_DIRECT" : "buffered: the file system refused O_DIRECT", f.size >> 20,
               fio ? "fio found" : "fio not installed", passes, seconds, target_passes);
-  std::printf("| workload | ferry co_await, engine thread | ferry co_await, executor thread | "
+  full_printf("| workload | ferry co_await, engine thread | ferry co_await, executor thread | "
               "ferry wait() | raw liburing, batched | raw liburing, per read | fio io_uring | "
               "ferry / raw batched (engine / executor) | ferry / raw per read (engine / executor) "
               "| ferry / fio (engine / executor) |\n|---|---|---|---|---|---|---|---|---|---|\n");
@@ -711,7 +723,7 @@ void run_uring(const options& opt) {
       std::snprintf(out, sizeof out, "%.2f", median_of(v));
       return std::string(out);
     };
-    std::printf("| %s | %s | %s | %s | %s | %s | %s | %s / %s | %s / %s | %s / %s |\n", w.name,
+    full_printf("| %s | %s | %s | %s | %s | %s | %s | %s / %s | %s / %s | %s / %s |\n", w.name,
                 show(median_of(co)).c_str(), show(median_of(inl)).c_str(),
                 show(median_of(blocking)).c_str(), show(median_of(raw)).c_str(),
                 show(median_of(raw_each)).c_str(), fio ? show(median_of(fi)).c_str() : "-",
@@ -739,6 +751,31 @@ void run_uring(const options& opt) {
                       "of fio", spread(co_fio), !co_fio.empty() && median_of(co_fio) >= 1.0);
         report_target("io_uring 4 KiB random reads, QD 32, co_await on the executor: >= 100% of "
                       "fio", spread(inl_fio), !inl_fio.empty() && median_of(inl_fio) >= 1.0);
+      }
+      // The quick summary's rows: each runner against fio (CPU per read from the CPUs each kept
+      // busy over its rate) and the executor thread against the raw loop.
+      const auto per_read = [](const std::vector<double>& cpus, const std::vector<double>& rates) {
+        const double per_second = median_of(rates);
+        return cpus.empty() || per_second <= 0 ? 0.0 : median_of(cpus) / per_second * 1e9;
+      };
+      const std::string reads =
+          std::string("4 KiB ") + (f.direct ? "O_DIRECT" : "buffered") + " reads, QD 32, ";
+      const double fio_cpu_per_read = per_read(fio_cpu, fi);
+      const double executor_cpu = per_read(defaults.inl_cpu, inl);
+      const double engine_cpu = per_read(defaults.co_cpu, co);
+      if (fio) {
+        report_figure({reads + "executor thread", show(median_of(inl)), show(median_of(fi)), "fio",
+                       median_ratio(inl_fio), cpu_pair(executor_cpu, fio_cpu_per_read)});
+        report_figure({reads + "engine thread", show(median_of(co)), show(median_of(fi)), "fio",
+                       median_ratio(co_fio), cpu_pair(engine_cpu, fio_cpu_per_read)});
+      } else {
+        note("fio: not installed, so the io_uring reads are compared with raw liburing only");
+      }
+      report_figure({reads + "executor thread", show(median_of(inl)), show(median_of(raw)),
+                     "raw liburing", median_ratio(inl_raw), cpu_pair(executor_cpu, 0)});
+      if (!fio) {
+        report_figure({reads + "engine thread", show(median_of(co)), show(median_of(raw)),
+                       "raw liburing", median_ratio(co_raw), cpu_pair(engine_cpu, 0)});
       }
       char line[512];
       std::snprintf(line, sizeof line,
@@ -782,7 +819,7 @@ void run_uring(const options& opt) {
       }
     }
   }
-  std::printf("%s", spin_table.c_str());
+  full_printf("%s", spin_table.c_str());
   run_uring_cached(opt, fio);
 }
 
@@ -791,8 +828,9 @@ void run_uring(const options& opt) {
 // already there leaves ferry nothing to gain on it but a tie.
 void run_uring_depth(const options& opt) {
   if (const std::string why = uring_unavailable(); !why.empty()) {
-    std::printf("\n## io_uring depth sweep\n\nskipped: io_uring is not available here (%s)\n",
+    full_printf("\n## io_uring depth sweep\n\nskipped: io_uring is not available here (%s)\n",
                 why.c_str());
+    note("io_uring depth sweep: not measured, io_uring is not available here (" + why + ")");
     return;
   }
   const double seconds = opt.quick ? 0.2 : 1.0;
@@ -802,12 +840,13 @@ void run_uring_depth(const options& opt) {
   const unsigned depths[] = {1, 4, 8, 16, 32, 64, 128};
   constexpr std::size_t n_depths = std::size(depths);
   constexpr std::size_t runners = 3;  // engine thread, executor thread, fio
-  std::printf("\n## io_uring 4 KiB random reads by queue depth (%s, %zu MiB file, %s; medians over "
+  full_printf("\n## io_uring 4 KiB random reads by queue depth (%s, %zu MiB file, %s; medians over "
               "%d passes of %.1f s per runner and depth, each pass in a new order)\n\n"
               "| depth | ferry co_await, engine thread | ferry co_await, executor thread | fio "
               "io_uring | ferry / fio (engine / executor) |\n|---|---|---|---|---|\n",
               f.direct ? "O_DIRECT" : "buffered: the file system refused O_DIRECT", f.size >> 20,
               fio ? "fio found" : "fio not installed", passes, seconds);
+  if (!fio) note("io_uring depth sweep: fio not installed, so no figures (it compares with fio)");
   ferry::progress_executor exec;
   uring::ring r(exec, uring::ring_options{.entries = 256});
   double last[n_depths][runners] = {};
@@ -840,7 +879,12 @@ void run_uring_depth(const options& opt) {
       std::snprintf(ratios, sizeof ratios, "%.2f / %.2f", median_of(co_fio[d]),
                     median_of(inl_fio[d]));
     }
-    std::printf("| %u | %s IOPS | %s IOPS | %s | %s |\n", depths[d],
+    if (fio) {
+      report_figure({"4 KiB random reads, QD " + std::to_string(depths[d]) + ", executor thread",
+                     rate(median_of(iops[d][1])) + " IOPS", rate(median_of(iops[d][2])) + " IOPS",
+                     "fio", median_ratio(inl_fio[d]), "-"});
+    }
+    full_printf("| %u | %s IOPS | %s IOPS | %s | %s |\n", depths[d],
                 rate(median_of(iops[d][0])).c_str(), rate(median_of(iops[d][1])).c_str(),
                 fio ? (rate(median_of(iops[d][2])) + " IOPS").c_str() : "-", ratios);
   }
@@ -849,7 +893,7 @@ void run_uring_depth(const options& opt) {
 void run_tcp(const options& opt) {
   const double seconds = opt.quick ? 0.2 : 1.0;
   const int passes = opt.quick ? 1 : 3;
-  std::printf("\n## TCP over loopback, framed blocks one way (median of %d interleaved %.1f s "
+  full_printf("\n## TCP over loopback, framed blocks one way (median of %d interleaved %.1f s "
               "passes)\n\n| block | ferry (ring) | blocking sockets | ferry / sockets |\n"
               "|---|---|---|---|\n",
               passes, seconds);
@@ -862,10 +906,12 @@ void run_tcp(const options& opt) {
     const double a = median_of(fe), b = median_of(pl);
     char ratio[32];
     std::snprintf(ratio, sizeof ratio, "%.2f", b > 0 ? a / b : 0.0);
-    std::printf("| %zu KiB | %sB/s | %sB/s | %s |\n", block >> 10, rate(a).c_str(), rate(b).c_str(),
+    full_printf("| %zu KiB | %sB/s | %sB/s | %s |\n", block >> 10, rate(a).c_str(), rate(b).c_str(),
                 ratio);
     report_target("TCP " + std::to_string(block >> 10) + " KiB blocks: ferry >= 90% of sockets",
                   std::string(ratio) + "x", b > 0 && a >= 0.9 * b);
+    report_figure({"framed TCP over loopback, " + std::to_string(block >> 10) + " KiB blocks",
+                   rate(a) + "B/s", rate(b) + "B/s", "blocking sockets", ratio_text(a, b), "-"});
   }
 }
 
@@ -911,16 +957,16 @@ void run_metrics(const options& opt) {
   const auto per_op = [](const std::vector<double>& cpus, const std::vector<double>& rates) {
     return median_of(rates) > 0 ? human_ns(median_of(cpus) / median_of(rates) * 1e9) : std::string("-");
   };
-  std::printf("\n## Metrics on against off (ring_options::metrics; medians over %d shuffled passes of %.1f s; "
+  full_printf("\n## Metrics on against off (ring_options::metrics; medians over %d shuffled passes of %.1f s; "
               "ratios are medians of each pass's on/off, with their range)\n\n"
               "| work | metrics on | metrics off | on / off | CPU per op on | CPU per op off |\n"
               "|---|---|---|---|---|---|\n",
               passes, seconds);
-  std::printf("| 4 KiB page-cache reads, QD 32 | %s IOPS | %s IOPS | %s | %s | %s |\n",
+  full_printf("| 4 KiB page-cache reads, QD 32 | %s IOPS | %s IOPS | %s | %s | %s |\n",
               rate(median_of(read_on)).c_str(), rate(median_of(read_off)).c_str(),
               median_and_range(read_ratio, " (").c_str(), per_op(cpu_on, read_on).c_str(),
               per_op(cpu_off, read_off).c_str());
-  std::printf("| TCP 4 KiB blocks over loopback (sends and receives, per peer too) | %sB/s | %sB/s | %s | - | - |\n",
+  full_printf("| TCP 4 KiB blocks over loopback (sends and receives, per peer too) | %sB/s | %sB/s | %s | - | - |\n",
               rate(median_of(tcp_on)).c_str(), rate(median_of(tcp_off)).c_str(),
               median_and_range(tcp_ratio, " (").c_str());
   // The ratios above swing by more than the cost on a shared VM, so the recording itself is also
@@ -942,13 +988,17 @@ void run_metrics(const options& opt) {
   const double cost = median_of(record_ns);
   const double read_cpu_ns = median_of(read_off) > 0 ? median_of(cpu_off) / median_of(read_off) * 1e9 : 0;
   const double share = read_cpu_ns > 0 ? cost / read_cpu_ns : 0;
-  std::printf("\nRecording one operation: %s of CPU (median of 5 loops of %d), %.1f%% of the CPU a "
+  full_printf("\nRecording one operation: %s of CPU (median of 5 loops of %d), %.1f%% of the CPU a "
               "page-cache read costs without metrics (%s).\n",
               human_ns(cost).c_str(), records, share * 100, human_ns(read_cpu_ns).c_str());
   char measured[64];
   std::snprintf(measured, sizeof measured, "%.1f%% (%s of %s)", share * 100, human_ns(cost).c_str(),
                 human_ns(read_cpu_ns).c_str());
   report_target("recording metrics <= 3% of a page-cache read's CPU", measured, read_cpu_ns > 0 && share <= 0.03);
+  char share_text[32];
+  std::snprintf(share_text, sizeof share_text, "%.1f%%", share * 100);
+  report_figure({"recording metrics, CPU per operation", human_ns(cost), human_ns(read_cpu_ns),
+                 "a page-cache read", read_cpu_ns > 0 ? share_text : "-", "-"});
 }
 
 }  // namespace ferry_bench

@@ -376,22 +376,22 @@ void run_verbs(const options& opt) {
   const summary fl = summarize(ferry_rtt);
   const summary bl = summarize(base_rtt);
   const summary hl = summarize(busy_rtt);
-  std::printf("\n## RDMA verbs against the in-process fake adapter (no RDMA device here)\n\n");
-  std::printf("%zu WRITEs of %zu B per round, batches of %zu, %zu in flight; median of %d rounds. "
+  full_printf("\n## RDMA verbs against the in-process fake adapter (no RDMA device here)\n\n");
+  full_printf("%zu WRITEs of %zu B per round, batches of %zu, %zu in flight; median of %d rounds. "
               "Completion → resume: one %zu B WRITE, timed from the fake adapter pushing its "
               "completion to the blocked waiter running, %d samples.\n\n",
               total, block_bytes, batch_size, batch_size * window_batches, rounds, block_bytes,
               samples);
-  std::printf("| | work requests / s | completion → resume p50 | p99 |\n|---|---|---|---|\n");
-  std::printf("| ferry: batch posted as one unit; adaptive executor (the default: parks after 50 us "
+  full_printf("| | work requests / s | completion → resume p50 | p99 |\n|---|---|---|---|\n");
+  full_printf("| ferry: batch posted as one unit; adaptive executor (the default: parks after 50 us "
               "idle) | %.2f M | %s | %s |\n",
               fr / 1e6, human_ns(fl.p50).c_str(), human_ns(fl.p99).c_str());
-  std::printf("| ferry: busy-polling executor | | %s | %s |\n", human_ns(hl.p50).c_str(),
+  full_printf("| ferry: busy-polling executor | | %s | %s |\n", human_ns(hl.p50).c_str(),
               human_ns(hl.p99).c_str());
-  std::printf("| baseline: all signalled, poller + condition variable, member by member | %.2f M | "
+  full_printf("| baseline: all signalled, poller + condition variable, member by member | %.2f M | "
               "%s | %s |\n",
               br / 1e6, human_ns(bl.p50).c_str(), human_ns(bl.p99).c_str());
-  std::printf("\nratios: throughput %.2fx the baseline; completion → resume %.2fx the baseline's "
+  full_printf("\nratios: throughput %.2fx the baseline; completion → resume %.2fx the baseline's "
               "with the adaptive executor, %.2fx with the busy one (lower is better)\n",
               fr / br, fl.p50 / bl.p50, hl.p50 / bl.p50);
   char measured[96];
@@ -404,6 +404,13 @@ void run_verbs(const options& opt) {
   // executor that has parked pays one wake-up more, to give its core back while idle.
   report_target("verbs: completion → resume <= the cv baseline's (both polling threads spinning)",
                 measured, hl.p50 <= bl.p50);
+  char rates[2][32];
+  std::snprintf(rates[0], sizeof rates[0], "%.2f M/s", fr / 1e6);
+  std::snprintf(rates[1], sizeof rates[1], "%.2f M/s", br / 1e6);
+  report_figure({"RDMA WRITEs/s, fake adapter", rates[0], rates[1], "poller + cond. var.",
+                 ratio_text(fr, br), "-"});
+  report_figure({"RDMA resume after completion, fake adapter", human_ns(fl.p50), human_ns(bl.p50),
+                 "poller + cond. var.", ratio_text(fl.p50, bl.p50), "-"});
 }
 
 // The same comparison on a real adapter, where one exists (FERRY_VERBS_DEVICE names it; default:
@@ -416,7 +423,9 @@ void run_verbs_hardware(const options& opt) {
   } catch (const std::exception&) {
   }
   if (names.empty()) {
-    std::printf("\n## RDMA verbs on hardware\n\nskipped: no RDMA device on this machine\n");
+    full_printf("\n## RDMA verbs on hardware\n\nskipped: no RDMA device on this machine\n");
+    note("RDMA verbs on hardware: not measured, no RDMA device here (the RDMA rows use ferry's "
+         "fake adapter).");
     return;
   }
   const char* chosen = std::getenv("FERRY_VERBS_DEVICE");
@@ -457,13 +466,20 @@ void run_verbs_hardware(const options& opt) {
   const summary bl = summarize(base_rtt);
   const double fr = summarize(ferry_rates).p50;
   const double br = summarize(base_rates).p50;
-  std::printf("\n## RDMA verbs on %s (hardware)\n\n", name.c_str());
-  std::printf("| | work requests / s | round trip p50 | p99 |\n|---|---|---|---|\n");
-  std::printf("| ferry | %.2f M | %s | %s |\n", fr / 1e6, human_ns(fl.p50).c_str(),
+  full_printf("\n## RDMA verbs on %s (hardware)\n\n", name.c_str());
+  full_printf("| | work requests / s | round trip p50 | p99 |\n|---|---|---|---|\n");
+  full_printf("| ferry | %.2f M | %s | %s |\n", fr / 1e6, human_ns(fl.p50).c_str(),
               human_ns(fl.p99).c_str());
-  std::printf("| baseline (poller + condition variable) | %.2f M | %s | %s |\n", br / 1e6,
+  full_printf("| baseline (poller + condition variable) | %.2f M | %s | %s |\n", br / 1e6,
               human_ns(bl.p50).c_str(), human_ns(bl.p99).c_str());
-  std::printf("\nratios: throughput %.2fx, round trip %.2fx\n", fr / br, fl.p50 / bl.p50);
+  full_printf("\nratios: throughput %.2fx, round trip %.2fx\n", fr / br, fl.p50 / bl.p50);
+  char rates[2][32];
+  std::snprintf(rates[0], sizeof rates[0], "%.2f M/s", fr / 1e6);
+  std::snprintf(rates[1], sizeof rates[1], "%.2f M/s", br / 1e6);
+  report_figure({"RDMA WRITEs/s on " + name, rates[0], rates[1], "poller + cond. var.",
+                 ratio_text(fr, br), "-"});
+  report_figure({"RDMA WRITE round trip p50 on " + name, human_ns(fl.p50), human_ns(bl.p50),
+                 "poller + cond. var.", ratio_text(fl.p50, bl.p50), "-"});
 }
 
 }  // namespace ferry_bench

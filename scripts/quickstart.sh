@@ -8,12 +8,13 @@ set -eu
 cd "$(dirname "$0")/.."
 
 mode=${1:-}
-# One set-up for both: everything either command uses. The tests add the second compiler, Catch2,
-# CMake (for the installed-package check) and debootstrap (for the fresh-root-demo test).
-packages="g++ meson ninja-build pkg-config liburing-dev libibverbs-dev libucx-dev libamdhip64-dev libasio-dev fio iperf3 ucx-utils python3-dev pybind11-dev"
+# One set-up for both: everything either command uses (doxygen: the docs target). The tests add the
+# second compiler, Catch2, CMake (for the installed-package check), debootstrap (for the
+# fresh-root-demo test) and meson-python, venv and pip (for the pip-install test).
+packages="g++ meson ninja-build pkg-config liburing-dev libibverbs-dev libucx-dev libamdhip64-dev libasio-dev fio iperf3 ucx-utils python3-dev pybind11-dev doxygen"
 case "$mode" in
   demo) ;;
-  test) packages="$packages clang catch2 cmake debootstrap python3-pytest python3-numpy iproute2" ;;
+  test) packages="$packages clang catch2 cmake debootstrap python3-pytest python3-numpy iproute2 python3-mesonpy python3-venv python3-pip" ;;
   *) echo "usage: $0 demo|test" >&2; exit 2 ;;
 esac
 echo "ferry quick start: scripts/quickstart.sh $mode"
@@ -30,9 +31,12 @@ fi
 echo "set-up: every package present: $packages"
 
 jobs=$(nproc)
+# A plain `meson setup` builds nothing of ferry's own (ferry is headers only): the demo asks for the
+# examples and benchmarks; the test builds ask for everything with -Ddev=true (tests, benchmarks,
+# examples, ferry-perf and the Python module).
 if [ "$mode" = demo ]; then
   rm -rf build-demo
-  meson setup build-demo --buildtype=release -Dtests=false
+  meson setup build-demo --buildtype=release -Dexamples=true -Dbenchmarks=true
   ninja -C build-demo -j "$jobs"
   ./build-demo/examples/inference_engine
   ./build-demo/bench/ferry_bench --quick
@@ -43,10 +47,10 @@ fi
 # concurrency test, AddressSanitizer + UBSan for all), then clang 14 building everything and running
 # the plain suite.
 rm -rf build-test build-clang
-meson setup build-test --werror
+meson setup build-test --werror -Ddev=true
 ninja -C build-test -j "$jobs"
 meson test -C build-test --print-errorlogs --num-processes "$jobs"
-CXX=clang++ meson setup build-clang --werror -Dsanitizer_tests=false
+CXX=clang++ meson setup build-clang --werror -Ddev=true -Dsanitizer_tests=false
 ninja -C build-clang -j "$jobs"
 meson test -C build-clang --print-errorlogs --num-processes "$jobs" --suite plain
 echo "all ferry tests passed"

@@ -40,26 +40,32 @@
 
 namespace ferry {
 
+/// A backend the progress executor can poll: `poll(budget)` handles at most `budget` completions
+/// and returns how many (never blocks). See the top of completion_source.hpp for the contract.
 template <class S>
 concept completion_source = requires(S& s, std::size_t budget) {
   { s.poll(budget) } -> std::convertible_to<std::size_t>;
 };
 
+/// A source with `park_fd()`: a descriptor that turns readable when it has completions.
 template <class S>
 concept parkable_source = completion_source<S> && requires(S& s) {
   { s.park_fd() } -> std::convertible_to<int>;
 };
 
+/// A source with `arm()`: asks it to signal its descriptor; false when completions came meanwhile.
 template <class S>
 concept armable_source = requires(S& s) {
   { s.arm() } -> std::convertible_to<bool>;
 };
 
+/// A source with `in_flight()`: true while it has device I/O out, so the executor spins longer.
 template <class S>
 concept in_flight_source = requires(const S& s) {
   { s.in_flight() } -> std::convertible_to<bool>;
 };
 
+/// A source with `busy()`: true while it has work out that only polling finds (no parking then).
 template <class S>
 concept busy_source = requires(const S& s) {
   { s.busy() } -> std::convertible_to<bool>;

@@ -13,20 +13,22 @@
 
 namespace ferry {
 
+/// The core's error codes (category "ferry"); a std::error_code compares equal to them directly.
 enum class errc : int {
-  empty_transfer = 1,
-  abandoned,
-  cancelled,
-  destination_too_small,
-  source_too_small,
-  overlapping_buffers,
-  backend_shut_down,
-  unspecified_failure,
-  batch_too_large,
-  empty_buffer,
-  submission_queue_full,
+  empty_transfer = 1,     ///< The transfer handle is empty (default-constructed or moved-from).
+  abandoned,              ///< Every completer was destroyed before the transfer completed.
+  cancelled,              ///< The transfer was cancelled before it completed.
+  destination_too_small,  ///< A copy's destination is smaller than the bytes to copy.
+  source_too_small,       ///< A copy's source is smaller than the bytes to copy.
+  overlapping_buffers,    ///< A copy's source and destination overlap.
+  backend_shut_down,      ///< The backend was destroyed while the transfer was still queued.
+  unspecified_failure,    ///< completer::fail was given an empty error_code.
+  batch_too_large,        ///< A batch has more members than one wait can track (2^32 - 1).
+  empty_buffer,           ///< The buffer to read into or write from is empty.
+  submission_queue_full,  ///< The backend's submission queue stayed full until the deadline.
 };
 
+/// The message for `e` (what error_code::message() says); nullptr for a value that is no errc.
 [[nodiscard]] constexpr const char* describe(errc e) noexcept {
   switch (e) {
     case errc::empty_transfer: return "transfer handle is empty (default-constructed or moved-from)";
@@ -48,15 +50,18 @@ enum class errc : int {
   return nullptr;
 }
 
+/// The category of ferry::errc, named "ferry"; one instance for the whole program.
 [[nodiscard]] inline const std::error_category& error_category() noexcept {
   return detail::error_category_of<errc, describe>("ferry");
 }
 
+/// `e` as a std::error_code in error_category() (found by argument-dependent lookup).
 [[nodiscard]] inline std::error_code make_error_code(errc e) noexcept {
   return {static_cast<int>(e), error_category()};
 }
 
 }  // namespace ferry
 
+/// Makes ferry::errc an error-code enum: it converts to std::error_code and compares with one.
 template <>
 struct std::is_error_code_enum<ferry::errc> : std::true_type {};

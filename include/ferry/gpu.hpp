@@ -11,17 +11,20 @@
 #if defined(FERRY_GPU_CUDA)
 #include "ferry/gpu/cuda_runtime.hpp"
 namespace ferry::gpu {
+/// The GPU runtime this build targets: cuda_runtime where FERRY_GPU_CUDA is defined.
 using gpu_runtime = cuda_runtime;
 }  // namespace ferry::gpu
 #else
 #include "ferry/gpu/hip_runtime.hpp"
 namespace ferry::gpu {
+/// The GPU runtime this build targets: hip_runtime (AMD), or cuda_runtime with FERRY_GPU_CUDA.
 using gpu_runtime = hip_runtime;
 }  // namespace ferry::gpu
 #endif
 
 namespace ferry::gpu {
 
+/// The GPU copy backend on this build's runtime (gpu_runtime).
 using copy_engine = basic_copy_engine<gpu_runtime>;
 
 }  // namespace ferry::gpu

@@ -20,12 +20,19 @@
 
 namespace ferry {
 
+/// How a loopback_backend queues its requests.
 struct loopback_options {
-  std::size_t queue_depth = 16384;  // requests queued without taking a lock; more spill to a list
+  std::size_t queue_depth = 16384;  ///< requests queued without taking a lock; more spill to a list
 };
 
+/// The in-memory backend: copies between buffers of this process, done on the executor's thread.
+///
+/// The reference backend for tests, examples and benchmarks. Submitting never blocks on the
+/// executor; requests still queued when it is destroyed fail with errc::backend_shut_down.
 class loopback_backend {
  public:
+  /// Registers with `exec`, which must outlive it. Throws std::invalid_argument for a zero
+  /// queue_depth.
   explicit loopback_backend(progress_executor& exec, loopback_options options = {})
       : exec_(exec), ring_(options.queue_depth) {
     if (options.queue_depth == 0) {
@@ -37,7 +44,7 @@ class loopback_backend {
   loopback_backend(const loopback_backend&) = delete;
   loopback_backend& operator=(const loopback_backend&) = delete;
 
-  // Requests still queued never touch their buffers: they fail with errc::backend_shut_down.
+  /// Requests still queued never touch their buffers: they fail with errc::backend_shut_down.
   ~loopback_backend() {
     exec_.remove_source(*this);
     request r;
@@ -47,13 +54,13 @@ class loopback_backend {
     overflow_.clear();
   }
 
-  // Copies all of `src` into the front of `dst`.
+  /// Copies all of `src` into the front of `dst`.
   [[nodiscard]] transfer copy(std::span<std::byte> dst, std::span<const std::byte> src) {
     return copy(dst, src, src.size());
   }
 
-  // Copies the first `bytes` of `src` into the front of `dst`. Bad arguments give a transfer that has
-  // already failed with an error naming what was wrong; nothing is copied.
+  /// Copies the first `bytes` of `src` into the front of `dst`. Bad arguments give a transfer that has
+  /// already failed with an error naming what was wrong; nothing is copied.
   [[nodiscard]] transfer copy(std::span<std::byte> dst, std::span<const std::byte> src,
                               std::size_t bytes) {
     if (bytes > dst.size()) return make_completed_transfer(transfer_state::failed, errc::destination_too_small);
@@ -80,7 +87,8 @@ class loopback_backend {
     return transfer(detail::adopt, s);
   }
 
-  // Called by the executor only.
+  /// Performs and completes up to `budget` queued copies; returns how many (completion_source).
+  /// Called by the executor only.
   std::size_t poll(std::size_t budget) noexcept {
     std::size_t done = 0;
     request r;

@@ -41,19 +41,20 @@
 
 namespace ferry::metrics {
 
-// What one op_metrics holds, added up over its shards.
+/// What one op_metrics holds, added up over its shards.
 struct operation_snapshot {
-  std::string kind;  // "read", "write", "send", "receive", "get", "put", ...
-  std::string peer;  // empty: every peer (or a backend without peers)
-  std::uint64_t succeeded = 0;
-  std::uint64_t failed = 0;     // failed or cancelled
-  std::uint64_t bytes = 0;      // moved by operations that succeeded
-  std::uint64_t latency_sum_ns = 0;
-  std::array<std::uint64_t, detail::latency_buckets> latency{};  // counts per bucket
+  std::string kind;  ///< "read", "write", "send", "receive", "get", "put", ...
+  std::string peer;  ///< empty: every peer (or a backend without peers)
+  std::uint64_t succeeded = 0;  ///< operations that succeeded
+  std::uint64_t failed = 0;     ///< failed or cancelled
+  std::uint64_t bytes = 0;      ///< moved by operations that succeeded
+  std::uint64_t latency_sum_ns = 0;  ///< the latencies of all of them added up, in nanoseconds
+  std::array<std::uint64_t, detail::latency_buckets> latency{};  ///< counts per bucket
 
+  /// Operations that ended, whichever way.
   [[nodiscard]] std::uint64_t count() const noexcept { return succeeded + failed; }
 
-  // The latency at quantile q (0..1) as the upper bound of the bucket it falls in; 0 when empty.
+  /// The latency at quantile q (0..1) as the upper bound of the bucket it falls in; 0 when empty.
   [[nodiscard]] std::chrono::nanoseconds quantile(double q) const noexcept {
     std::uint64_t total = 0;
     for (std::uint64_t c : latency) total += c;
@@ -72,15 +73,16 @@ struct operation_snapshot {
   }
 };
 
-// One operation kind's figures (for one peer, or all). Addresses are stable for the registry's life:
-// a backend looks one up once and records into it without further lookups.
+/// One operation kind's figures (for one peer, or all). Addresses are stable for the registry's life:
+/// a backend looks one up once and records into it without further lookups.
 class op_metrics {
  public:
+  /// Empty figures for `kind` and `peer` (a registry makes them: registry::operation).
   op_metrics(std::string kind, std::string peer) : kind_(std::move(kind)), peer_(std::move(peer)) {}
   op_metrics(const op_metrics&) = delete;
   op_metrics& operator=(const op_metrics&) = delete;
 
-  // One operation that ended after `latency_ns`; `bytes` counts only when it succeeded.
+  /// One operation that ended after `latency_ns`; `bytes` counts only when it succeeded.
   void record(std::uint64_t latency_ns, std::uint64_t bytes, bool succeeded) noexcept {
     detail::metric_shard& s = shards_[detail::this_thread_shard()];
     // Relaxed throughout: each figure is a sum read on its own; nothing is published through them.
@@ -90,6 +92,7 @@ class op_metrics {
     s.latency[detail::bucket_of(latency_ns)].fetch_add(1, std::memory_order_relaxed);
   }
 
+  /// The figures so far, added up over the shards; any thread.
   [[nodiscard]] operation_snapshot snapshot() const {
     operation_snapshot out;
     out.kind = kind_;
@@ -106,7 +109,9 @@ class op_metrics {
     return out;
   }
 
+  /// The operation kind these figures count ("read", "put", ...).
   [[nodiscard]] const std::string& kind() const noexcept { return kind_; }
+  /// The peer they count (empty: every peer).
   [[nodiscard]] const std::string& peer() const noexcept { return peer_; }
 
  private:
@@ -115,34 +120,37 @@ class op_metrics {
   std::array<detail::metric_shard, detail::metric_shard_count> shards_{};
 };
 
+/// Every series of one registry at one moment (registry::snapshot()).
 struct snapshot {
-  std::string backend;
-  std::vector<operation_snapshot> operations;  // in the order they were first looked up
+  std::string backend;  ///< the registry's backend label ("uring", "ucx", "verbs")
+  std::vector<operation_snapshot> operations;  ///< in the order they were first looked up
 };
 
-// The figures of one backend instance (a ring, a worker, a device). It must outlive the backend it
-// is given to. Lookups take a lock and may allocate; recording takes neither.
-//
-// Per-peer series are kept for at most `max_peers` distinct peers (default 256): a server that sees
-// many short-lived peers (clients that come and go, each with a new address) would otherwise grow
-// its registry, and its exposition, without bound. Operations of peers beyond that are counted
-// under the peer `other_peer` ("other"), as are those of a peer whose own label is "other"; the
-// kinds' totals count every operation either way.
+/// The figures of one backend instance (a ring, a worker, a device). It must outlive the backend it
+/// is given to. Lookups take a lock and may allocate; recording takes neither.
+///
+/// Per-peer series are kept for at most `max_peers` distinct peers (default 256): a server that sees
+/// many short-lived peers (clients that come and go, each with a new address) would otherwise grow
+/// its registry, and its exposition, without bound. Operations of peers beyond that are counted
+/// under the peer `other_peer` ("other"), as are those of a peer whose own label is "other"; the
+/// kinds' totals count every operation either way.
 class registry {
  public:
+  /// How many distinct peers get series of their own unless the constructor says otherwise.
   static constexpr std::size_t default_max_peers = 256;
+  /// The peer label that operations of peers beyond max_peers are counted under.
   static constexpr std::string_view other_peer = "other";
 
-  // `backend` labels every series ("uring", "ucx", "verbs"); `instance` (optional) tells two
-  // backends of one kind apart in one export.
+  /// `backend` labels every series ("uring", "ucx", "verbs"); `instance` (optional) tells two
+  /// backends of one kind apart in one export.
   explicit registry(std::string backend, std::string instance = {},
                     std::size_t max_peers = default_max_peers)
       : backend_(std::move(backend)), instance_(std::move(instance)), max_peers_(max_peers) {}
   registry(const registry&) = delete;
   registry& operator=(const registry&) = delete;
 
-  // The figures of `kind` for `peer` (empty: not per peer), made on first use; for a peer beyond
-  // max_peers, the figures of `kind` for other_peer.
+  /// The figures of `kind` for `peer` (empty: not per peer), made on first use; for a peer beyond
+  /// max_peers, the figures of `kind` for other_peer.
   [[nodiscard]] op_metrics& operation(std::string_view kind, std::string_view peer = {}) {
     std::lock_guard lock(mutex_);
     if (!peer.empty() && peer != other_peer && !peers_.contains(peer)) {
@@ -165,8 +173,8 @@ class registry {
     return m;
   }
 
-  // Every series, added up over its shards. The lock is held only to copy the list of series, not
-  // while they are read, so that a backend looking up a new series does not wait for a snapshot.
+  /// Every series, added up over its shards. The lock is held only to copy the list of series, not
+  /// while they are read, so that a backend looking up a new series does not wait for a snapshot.
   [[nodiscard]] metrics::snapshot snapshot() const {
     metrics::snapshot out;
     out.backend = backend_;
@@ -181,8 +189,11 @@ class registry {
     return out;
   }
 
+  /// The backend label of every series ("uring", "ucx", "verbs").
   [[nodiscard]] const std::string& backend() const noexcept { return backend_; }
+  /// The instance label (empty: none), exported as instance_name.
   [[nodiscard]] const std::string& instance() const noexcept { return instance_; }
+  /// How many distinct peers get series of their own.
   [[nodiscard]] std::size_t max_peers() const noexcept { return max_peers_; }
 
  private:
@@ -196,21 +207,23 @@ class registry {
   std::set<std::string, std::less<>> peers_;
 };
 
-// The clock backends stamp operations with: steady, in nanoseconds.
+/// The clock backends stamp operations with: steady, in nanoseconds.
 [[nodiscard]] inline std::uint64_t now_ns() noexcept {
   return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
                                         std::chrono::steady_clock::now().time_since_epoch())
                                         .count());
 }
 
-// A backend's hook, for a backend whose completions all end on one thread (its executor): the
-// figures per operation kind, looked up once, and per peer through a slot the peer's own state
-// keeps. Detached (no registry), stamp() returns 0 and record_cached() does nothing after one test.
+/// A backend's hook, for a backend whose completions all end on one thread (its executor): the
+/// figures per operation kind, looked up once, and per peer through a slot the peer's own state
+/// keeps. Detached (no registry), stamp() returns 0 and record_cached() does nothing after one test.
 class backend_meter {
  public:
+  /// The most operation kinds one meter records.
   static constexpr std::size_t max_kinds = 8;
 
-  // `kinds` name the operation kinds by index (at most max_kinds); `r` may be null.
+  /// Records into registry `r` from now on (null: detached), looking each kind's figures up once.
+  /// `kinds` name the operation kinds by index (at most max_kinds); `r` may be null.
   void attach(registry* r, std::initializer_list<const char*> kinds) {
     registry_ = r;
     if (r == nullptr) return;
@@ -222,17 +235,18 @@ class backend_meter {
     }
   }
 
+  /// True when attached to a registry (figures are recorded).
   [[nodiscard]] bool attached() const noexcept { return registry_ != nullptr; }
 
-  // When an operation was submitted; 0 when detached, which record() then ignores.
+  /// When an operation was submitted; 0 when detached, which record() then ignores.
   [[nodiscard]] std::uint64_t stamp() const noexcept { return registry_ != nullptr ? now_ns() : 0; }
 
-  // An operation of kind `kind` stamped at `started_ns` ended. Each peer's figures are kept with
-  // the peer itself (a queue pair, a connection, an endpoint), so that they go with it: `cache` is
-  // that peer's slot for `kind`, null until its first operation, and `peer` its label (empty: the
-  // operation counts only in the kind's figures). `ended_ns` is when
-  // it ended (0: now), for a backend that reads the clock once for many; an end before the start
-  // (stamped before an operation published after it) counts as no time.
+  /// An operation of kind `kind` stamped at `started_ns` ended. Each peer's figures are kept with
+  /// the peer itself (a queue pair, a connection, an endpoint), so that they go with it: `cache` is
+  /// that peer's slot for `kind`, null until its first operation, and `peer` its label (empty: the
+  /// operation counts only in the kind's figures). `ended_ns` is when
+  /// it ended (0: now), for a backend that reads the clock once for many; an end before the start
+  /// (stamped before an operation published after it) counts as no time.
   void record_cached(std::size_t kind, std::uint64_t started_ns, std::uint64_t bytes,
                      bool succeeded, op_metrics*& cache, std::string_view peer,
                      std::uint64_t ended_ns = 0) noexcept {
@@ -303,11 +317,12 @@ inline std::string seconds_text(std::uint64_t ns) {
 
 }  // namespace detail
 
-// Writes every registry's figures in the Prometheus text exposition format (version 0.0.4): each
-// metric family once, with its HELP and TYPE lines, then one series per registry and operation.
-//   ferry_operations_total{backend,op,peer,outcome}   counter
-//   ferry_bytes_total{backend,op,peer}                counter
-//   ferry_operation_duration_seconds{backend,op,peer} histogram (_bucket with le, _sum, _count)
+/// Writes every registry's figures in the Prometheus text exposition format (version 0.0.4): each
+/// metric family once, with its HELP and TYPE lines, then one series per registry and operation.
+///
+///     ferry_operations_total{backend,op,peer,outcome}   counter
+///     ferry_bytes_total{backend,op,peer}                counter
+///     ferry_operation_duration_seconds{backend,op,peer} histogram (_bucket with le, _sum, _count)
 inline void write_prometheus(std::ostream& out, std::span<const registry* const> registries) {
   std::vector<std::pair<const registry*, metrics::snapshot>> all;
   all.reserve(registries.size());
@@ -365,17 +380,20 @@ inline void write_prometheus(std::ostream& out, std::span<const registry* const>
   }
 }
 
+/// Writes one registry's figures in the Prometheus text exposition format.
 inline void write_prometheus(std::ostream& out, const registry& r) {
   const registry* one[] = {&r};
   write_prometheus(out, std::span<const registry* const>(one));
 }
 
+/// The Prometheus text exposition of every registry's figures, as a string.
 [[nodiscard]] inline std::string to_prometheus(std::span<const registry* const> registries) {
   std::ostringstream out;
   write_prometheus(out, registries);
   return std::move(out).str();
 }
 
+/// The Prometheus text exposition of one registry's figures, as a string.
 [[nodiscard]] inline std::string to_prometheus(const registry& r) {
   std::ostringstream out;
   write_prometheus(out, r);

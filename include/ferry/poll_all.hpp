@@ -65,18 +65,19 @@ inline void name_first_failure(batch_result& r, std::span<const transfer> member
 
 }  // namespace detail
 
-// success iff every member succeeded; failed if any member failed or was cancelled, even with others
-// pending; otherwise pending. Empty: success. Never blocks, never drives progress.
-//
-// first_failed is the failure first in time (lowest sequence number), not the lowest index: if
-// member i's failure was published before member j's failure took its number, j is never named. A
-// look in index order can pass i while it is still pending and then find j further on; it can do
-// so only if j took its number while the look ran (above `before`), so only then is a second look
-// made. Having seen j's state (acquire, pairing with its release publish), the second look sees
-// everything published before j's number was taken, i included. When the earliest failure the
-// first look saw is numbered at or below `before`, the load of `before` already ordered every
-// failure published before that number ahead of the look, so one look is enough. The common paths
-// (no failure, or failures older than the look) cost one load more than a single look.
+/// The verdict over `members` right now, from a look at each: never waits.
+/// success iff every member succeeded; failed if any member failed or was cancelled, even with others
+/// pending; otherwise pending. Empty: success. Never blocks, never drives progress.
+///
+/// first_failed is the failure first in time (lowest sequence number), not the lowest index: if
+/// member i's failure was published before member j's failure took its number, j is never named. A
+/// look in index order can pass i while it is still pending and then find j further on; it can do
+/// so only if j took its number while the look ran (above `before`), so only then is a second look
+/// made. Having seen j's state (acquire, pairing with its release publish), the second look sees
+/// everything published before j's number was taken, i included. When the earliest failure the
+/// first look saw is numbered at or below `before`, the load of `before` already ordered every
+/// failure published before that number ahead of the look, so one look is enough. The common paths
+/// (no failure, or failures older than the look) cost one load more than a single look.
 [[nodiscard]] inline batch_result poll_all(std::span<const transfer> members) noexcept {
   // Acquire pairs with the acq_rel number-taking in status_block::complete() (see above).
   const std::uint64_t before = detail::failures.sequence.load(std::memory_order_acquire);

@@ -22,9 +22,10 @@
 
 namespace ferry {
 
+/// The pauses between tries of post_with_backoff: doubling from `initial` up to `limit`.
 struct backoff_options {
-  std::chrono::nanoseconds initial = std::chrono::microseconds(2);
-  std::chrono::nanoseconds limit = std::chrono::milliseconds(1);  // the longest single pause
+  std::chrono::nanoseconds initial = std::chrono::microseconds(2);  ///< the first pause
+  std::chrono::nanoseconds limit = std::chrono::milliseconds(1);  ///< the longest single pause
 };
 
 namespace detail {
@@ -117,10 +118,11 @@ class [[nodiscard]] pause_awaitable {
 
 }  // namespace detail
 
-// `submit()` returns std::optional<transfer>: a transfer when the backend took the request, nullopt
-// when its submission queue is full. Retried, with pauses doubling from `initial` up to `limit`, until
-// `deadline`; after that the result is a transfer already failed with errc::submission_queue_full.
-// The calling thread sleeps through the pauses.
+/// Posts through `submit`, retrying while the backend's queue is full, until `deadline`.
+/// `submit()` returns std::optional<transfer>: a transfer when the backend took the request, nullopt
+/// when its submission queue is full. Retried, with pauses doubling from `initial` up to `limit`, until
+/// `deadline`; after that the result is a transfer already failed with errc::submission_queue_full.
+/// The calling thread sleeps through the pauses.
 template <class Submit>
   requires detail::submit_function<Submit>
 [[nodiscard]] transfer post_with_backoff(Submit&& submit, std::chrono::steady_clock::time_point deadline,
@@ -134,9 +136,10 @@ template <class Submit>
   }
 }
 
-// The same, awaited: co_await post_with_backoff_async(submit, deadline) pauses on a timer and goes on
-// on the awaiting coroutine's scheduler, so the thread that awaits it never sleeps. `submit` is
-// kept (moved) in the task until it ends.
+/// post_with_backoff as a task: it pauses on a timer rather than sleeping the thread.
+/// The same, awaited: co_await post_with_backoff_async(submit, deadline) pauses on a timer and goes on
+/// on the awaiting coroutine's scheduler, so the thread that awaits it never sleeps. `submit` is
+/// kept (moved) in the task until it ends.
 template <class Submit>
   requires detail::submit_function<Submit>
 [[nodiscard]] task<transfer> post_with_backoff_async(Submit submit,

@@ -44,40 +44,52 @@
 
 namespace ferry {
 
+/// How the progress executor's thread waits when a round finds nothing to do.
 enum class progress_mode {
-  busy,      // spins forever: lowest latency, one core
-  adaptive,  // spins for spin_budget after the last work (in_flight_spin while I/O is out), then
-             // parks
-  park,      // parks as soon as a round finds nothing
+  busy,      ///< spins forever: lowest latency, one core
+  adaptive,  ///< spins for spin_budget after the last work (in_flight_spin while I/O is out), then
+             ///< parks
+  park,      ///< parks as soon as a round finds nothing
 };
 
+/// How a progress_executor polls, spins and parks; checked by its constructor.
 struct executor_options {
-  progress_mode mode = progress_mode::adaptive;
+  progress_mode mode = progress_mode::adaptive;  ///< how the thread waits when idle
+  /// Adaptive mode: how long the thread spins after the last completion or wake-up before it parks.
   std::chrono::nanoseconds spin_budget = std::chrono::microseconds(50);
-  // Adaptive mode, while a source says it has I/O in flight (in_flight(); for a ring, anything but
-  // socket receives): spin this long after the last completion or wake-up instead. Disk reads
-  // complete within the device's latency, often in bursts a few hundred microseconds apart, and a
-  // parked thread takes tens of microseconds to wake on a loaded or virtual machine: every burst
-  // would wait for that before its reads are replaced. Costs a CPU while such I/O flows, and up to
-  // this long after each completion while an operation that waits on a peer is out (a send to a
-  // peer that does not read, a pipe read). Set it to spin_budget (or 0) to spin no longer than that.
+  /// Adaptive mode, while a source says it has I/O in flight (in_flight(); for a ring, anything but
+  /// socket receives): spin this long after the last completion or wake-up instead. Disk reads
+  /// complete within the device's latency, often in bursts a few hundred microseconds apart, and a
+  /// parked thread takes tens of microseconds to wake on a loaded or virtual machine: every burst
+  /// would wait for that before its reads are replaced. Costs a CPU while such I/O flows, and up to
+  /// this long after each completion while an operation that waits on a peer is out (a send to a
+  /// peer that does not read, a pipe read). Set it to spin_budget (or 0) to spin no longer than that.
   std::chrono::nanoseconds in_flight_spin = std::chrono::microseconds(500);
-  std::size_t poll_budget = 256;  // completions one source may handle per round
-  int cpu = -1;                   // pin the thread to this CPU; -1 leaves it unpinned
+  std::size_t poll_budget = 256;  ///< completions one source may handle per round
+  int cpu = -1;                   ///< pin the thread to this CPU; -1 leaves it unpinned
 };
 
+/// What a progress_executor has done since it started (counters(); each figure read relaxed).
 struct executor_counters {
-  std::uint64_t completions = 0;   // sum of what poll() reported
-  std::uint64_t rounds = 0;        // loop iterations
-  std::uint64_t parks = 0;         // times the thread slept
-  std::uint64_t wakeups = 0;       // eventfd writes by notify()
-  std::uint64_t timers_fired = 0;
+  std::uint64_t completions = 0;   ///< sum of what poll() reported
+  std::uint64_t rounds = 0;        ///< loop iterations
+  std::uint64_t parks = 0;         ///< times the thread slept
+  std::uint64_t wakeups = 0;       ///< eventfd writes by notify()
+  std::uint64_t timers_fired = 0;  ///< deadline timers fired (when_all deadlines, backends' timers)
 };
 
+/// The dedicated thread that polls every registered completion source and fires deadline timers.
+///
+/// Engine threads submit and never poll. Backends register with add_source and must all be
+/// destroyed before their executor (the process aborts otherwise). See executor_options for its
+/// modes.
 class progress_executor {
  public:
+  /// Starts the thread with the default options (adaptive mode).
   progress_executor() : progress_executor(executor_options{}) {}
 
+  /// Starts the thread. Throws std::invalid_argument for a zero poll_budget or a negative spin,
+  /// std::system_error when the eventfd or epoll instance cannot be made.
   explicit progress_executor(executor_options options)
       : options_(options), timers_(&kick_timers, this) {
     if (options_.poll_budget == 0) {
@@ -111,8 +123,8 @@ class progress_executor {
   progress_executor(const progress_executor&) = delete;
   progress_executor& operator=(const progress_executor&) = delete;
 
-  // Every backend must be destroyed first: a source left registered, or a when_all still armed on this
-  // executor's timers, would be used after it is freed, so that is reported and the process aborts.
+  /// Every backend must be destroyed first: a source left registered, or a when_all still armed on this
+  /// executor's timers, would be used after it is freed, so that is reported and the process aborts.
   ~progress_executor() {
     {
       std::lock_guard lock(sources_mutex_);
@@ -136,8 +148,8 @@ class progress_executor {
     close_fds();
   }
 
-  // Starts polling `source` (and parking on its descriptor, if it has one). `source` must stay
-  // valid until remove_source returns.
+  /// Starts polling `source` (and parking on its descriptor, if it has one). `source` must stay
+  /// valid until remove_source returns.
   template <completion_source S>
   void add_source(S& source) {
     source_entry e;
@@ -172,10 +184,10 @@ class progress_executor {
     notify();
   }
 
-  // After this returns, the executor never calls `source` again (not even from a round that was
-  // already running when it was called). Must not be called on the executor's own thread: a
-  // continuation resumed inline there may be running inside `source`'s own poll(), which would go
-  // on using it once it is gone. That is reported and the process aborts.
+  /// After this returns, the executor never calls `source` again (not even from a round that was
+  /// already running when it was called). Must not be called on the executor's own thread: a
+  /// continuation resumed inline there may be running inside `source`'s own poll(), which would go
+  /// on using it once it is gone. That is reported and the process aborts.
   template <completion_source S>
   void remove_source(S& source) noexcept {
     if (on_executor_thread()) {
@@ -201,7 +213,7 @@ class progress_executor {
     sync();
   }
 
-  // Work was queued for a source without a descriptor: wake the thread if, and only if, it parks.
+  /// Work was queued for a source without a descriptor: wake the thread if, and only if, it parks.
   void notify() noexcept {
     // Pairs with the fence in park(): either the parking thread's last poll sees the work queued
     // before this fence, or this load sees that it announced sleep.
@@ -213,8 +225,8 @@ class progress_executor {
     }
   }
 
-  // Returns once a round that started after this call has begun, so every round that could have seen
-  // an earlier state (a removed source, a cancelled timer) is over.
+  /// Returns once a round that started after this call has begun, so every round that could have seen
+  /// an earlier state (a removed source, a cancelled timer) is over.
   void sync() noexcept {
     if (on_executor_thread()) return;
     const std::uint64_t seen = rounds_.load(std::memory_order_seq_cst);
@@ -225,10 +237,12 @@ class progress_executor {
     }
   }
 
+  /// True when called on the executor's own thread (from a continuation resumed inline).
   [[nodiscard]] bool on_executor_thread() const noexcept {
     return std::this_thread::get_id() == thread_id_.load(std::memory_order_acquire);
   }
 
+  /// What the executor has done so far; any thread.
   [[nodiscard]] executor_counters counters() const noexcept {
     executor_counters c;
     c.completions = completions_.load(std::memory_order_relaxed);
@@ -239,8 +253,10 @@ class progress_executor {
     return c;
   }
 
+  /// The options the executor was made with.
   [[nodiscard]] const executor_options& options() const noexcept { return options_; }
 
+  /// The executor's deadline timers, fired on its thread between polls (for backends and when_all).
   [[nodiscard]] detail::timer_service& timers() noexcept { return timers_; }
 
  private:

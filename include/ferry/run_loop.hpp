@@ -47,43 +47,52 @@
 
 namespace ferry {
 
+/// A scheduler that an engine thread drives (run, run_one, poll): any thread posts, the owner runs.
+///
+/// An idle loop spins for a while (adapting, from 50 µs up to 500 µs by default) before it sleeps
+/// on a futex; post() never throws and wakes a sleeping loop once. See the top of run_loop.hpp.
 class run_loop {
  public:
+  /// The idle spin a default-constructed loop starts from, and its least (50 µs).
   static constexpr std::chrono::nanoseconds default_spin = std::chrono::microseconds(50);
+  /// The most a default-constructed loop's idle spin grows to (500 µs).
   static constexpr std::chrono::nanoseconds default_max_spin = std::chrono::microseconds(500);
 
-  // Adapts its idle spin between default_spin and default_max_spin. Throws std::bad_alloc if the
-  // queue's first ring cannot be made.
+  /// Adapts its idle spin between default_spin and default_max_spin. Throws std::bad_alloc if the
+  /// queue's first ring cannot be made.
   run_loop() : run_loop(spins{default_spin, default_max_spin}) {}
 
-  // A fixed idle spin: how long an idle run() or run_one() looks for work before it sleeps; zero
-  // (or less) sleeps at once (no CPU spent idle, a futex wake for every post to a sleeping loop).
+  /// A fixed idle spin: how long an idle run() or run_one() looks for work before it sleeps; zero
+  /// (or less) sleeps at once (no CPU spent idle, a futex wake for every post to a sleeping loop).
   explicit run_loop(std::chrono::nanoseconds spin) : run_loop(at_least_zero(spin)) {}
 
-  // An idle spin that adapts between `spin` and `max_spin` (see the top of this file). max_spin is
-  // also the idle time past which the spin shrinks: a loop given a long one spins that long after
-  // every idle period, until periods longer than it come.
+  /// An idle spin that adapts between `spin` and `max_spin` (see the top of this file). max_spin is
+  /// also the idle time past which the spin shrinks: a loop given a long one spins that long after
+  /// every idle period, until periods longer than it come.
   run_loop(std::chrono::nanoseconds spin, std::chrono::nanoseconds max_spin)
       : run_loop(checked(spin, max_spin)) {}
 
   run_loop(const run_loop&) = delete;
   run_loop& operator=(const run_loop&) = delete;
 
-  // The least and the most an idle loop looks for work before sleeping, and what it looks now.
+  ///@{
+  /// The least and the most an idle loop looks for work before sleeping, and what it looks now.
   [[nodiscard]] std::chrono::nanoseconds spin() const noexcept { return spin_; }
   [[nodiscard]] std::chrono::nanoseconds max_spin() const noexcept { return max_spin_; }
   [[nodiscard]] std::chrono::nanoseconds current_spin() const noexcept {
     return std::chrono::nanoseconds(current_spin_.load(std::memory_order_relaxed));
   }
+  ///@}
 
-  // How many times the loop has found nothing to do after its spin and registered to sleep on its
-  // futex since it was made (a post or stop that lands meanwhile ends such a sleep at once).
+  /// How many times the loop has found nothing to do after its spin and registered to sleep on its
+  /// futex since it was made (a post or stop that lands meanwhile ends such a sleep at once).
   [[nodiscard]] std::uint64_t sleeps() const noexcept {
     return sleeps_.load(std::memory_order_relaxed);
   }
 
-  // Any thread; never throws. Wakes the running thread only if it sleeps, and only the first post to
-  // find it so.
+  /// Queues `h` to be resumed by the thread running the loop.
+  /// Any thread; never throws. Wakes the running thread only if it sleeps, and only the first post to
+  /// find it so.
   void post(std::coroutine_handle<> h) noexcept {
     for (;;) {
       bool wake = false;
@@ -110,21 +119,21 @@ class run_loop {
     }
   }
 
-  // How many handles the queue can hold before it must grow (for tests and monitoring).
+  /// How many handles the queue can hold before it must grow (for tests and monitoring).
   [[nodiscard]] std::size_t capacity() const noexcept {
     std::lock_guard lock(mutex_);
     return capacity_;
   }
 
-  // Runs posted work until stop(); the stop is consumed, so run() may be called again.
+  /// Runs posted work until stop(); the stop is consumed, so run() may be called again.
   void run() {
     const running_here running(running_);
     while (run_one()) {
     }
   }
 
-  // Runs one posted item, sleeping until there is one. Returns false, without running anything, when
-  // stop() ends the wait (the stop is consumed).
+  /// Runs one posted item, sleeping until there is one. Returns false, without running anything, when
+  /// stop() ends the wait (the stop is consumed).
   bool run_one() {
     const running_here running(running_);
     for (;;) {
@@ -137,7 +146,7 @@ class run_loop {
     }
   }
 
-  // Runs what is ready now, never sleeping; returns how many items ran.
+  /// Runs what is ready now, never sleeping; returns how many items ran.
   std::size_t poll() {
     const running_here running(running_);
     std::size_t ran = 0;
@@ -148,18 +157,19 @@ class run_loop {
     return ran;
   }
 
-  // Ends the current run() (or the next, if none is running). Any thread, a signal handler included
-  // (it takes no lock). The stop is one atomic operation on the futex word, and run() cannot return
-  // before it: after it, stop() only names the word's address to the kernel, which reads nothing
-  // there. So the loop may be destroyed as soon as run() returns, even while stop() is still in the
-  // wake (sync_wait's task may finish, and stop its loop, on another thread). Sleepers are not
-  // claimed: their registrations stay counted until the next post claims them (one futex call that
-  // wakes nobody).
+  /// Ends the current run() (or the next, if none is running). Any thread, a signal handler included
+  /// (it takes no lock). The stop is one atomic operation on the futex word, and run() cannot return
+  /// before it: after it, stop() only names the word's address to the kernel, which reads nothing
+  /// there. So the loop may be destroyed as soon as run() returns, even while stop() is still in the
+  /// wake (sync_wait's task may finish, and stop its loop, on another thread). Sleepers are not
+  /// claimed: their registrations stay counted until the next post claims them (one futex call that
+  /// wakes nobody).
   void stop() noexcept {
     epoch_.fetch_or(stop_bit, std::memory_order_release);
     detail::futex_wake_all(epoch_);
   }
 
+  /// How many handles are queued now (for tests and monitoring).
   [[nodiscard]] std::size_t size() const {
     std::lock_guard lock(mutex_);
     return count_;

@@ -21,6 +21,7 @@
 
 namespace ferry {
 
+/// A type whose noexcept post(std::coroutine_handle<>) resumes the handle on its own thread(s).
 template <class S>
 concept scheduler = requires(S& s, std::coroutine_handle<> h) {
   { s.post(h) } noexcept;
@@ -47,16 +48,17 @@ consteval bool check_scheduler() {
 
 }  // namespace detail
 
-// Resumes on the completing thread, which may be the progress executor's. Explicit opt-in only:
-// the continuation then runs inside the executor's loop and delays every other completion. Like any
-// post, it must not throw: a coroutine resumed here whose promise lets an exception leave resume()
-// (an unhandled_exception() that rethrows) ends the process, on the completing thread.
+/// Resumes on the completing thread, which may be the progress executor's. Explicit opt-in only:
+/// the continuation then runs inside the executor's loop and delays every other completion. Like any
+/// post, it must not throw: a coroutine resumed here whose promise lets an exception leave resume()
+/// (an unhandled_exception() that rethrows) ends the process, on the completing thread.
 struct inline_scheduler {
+  /// Resumes `h` at once, on the calling thread.
   void post(std::coroutine_handle<> h) const noexcept { h.resume(); }
 };
 
-// A copyable, type-erased scheduler: either a small scheduler value held inline, or a reference to a
-// scheduler that outlives every coroutine using it.
+/// A copyable, type-erased scheduler: either a small scheduler value held inline, or a reference to a
+/// scheduler that outlives every coroutine using it.
 class any_scheduler {
   struct ops {
     void (*post)(const void* storage, std::coroutine_handle<> h) noexcept;
@@ -86,11 +88,13 @@ class any_scheduler {
   };
 
  public:
+  /// The largest scheduler held by value (four pointers); a larger one is held by reference.
   static constexpr std::size_t inline_capacity = 4 * sizeof(void*);
 
+  /// No scheduler: converts to false, and post() must not be called.
   any_scheduler() noexcept = default;
 
-  // Holds a copy of `s`, like the standard's scheduler handles.
+  /// Holds a copy of `s`, like the standard's scheduler handles.
   template <detail::has_post S>
     requires(!std::same_as<std::remove_cvref_t<S>, any_scheduler>)
   explicit any_scheduler(S s) noexcept {
@@ -110,7 +114,7 @@ class any_scheduler {
     ops_ = &value_ops<S>;
   }
 
-  // Refers to `s`, which must outlive every coroutine that resumes through it.
+  /// Refers to `s`, which must outlive every coroutine that resumes through it.
   template <detail::has_post S>
   [[nodiscard]] static any_scheduler reference(S& s) noexcept {
     static_assert(detail::check_scheduler<S>());
@@ -121,10 +125,12 @@ class any_scheduler {
     return a;
   }
 
+  /// A copy of the value `other` holds, or the same reference.
   any_scheduler(const any_scheduler& other) noexcept : ops_(other.ops_) {
     if (ops_ != nullptr) ops_->copy(storage_, other.storage_);
   }
 
+  /// Drops what this holds and copies what `other` holds.
   any_scheduler& operator=(const any_scheduler& other) noexcept {
     if (this != &other) {
       reset();
@@ -134,10 +140,13 @@ class any_scheduler {
     return *this;
   }
 
+  /// Destroys the scheduler held by value (a referenced one is left alone).
   ~any_scheduler() { reset(); }
 
+  /// Posts `h` to the scheduler held; undefined on an empty any_scheduler.
   void post(std::coroutine_handle<> h) const noexcept { ops_->post(storage_, h); }
 
+  /// True when it holds a scheduler.
   [[nodiscard]] explicit operator bool() const noexcept { return ops_ != nullptr; }
 
  private:
@@ -214,8 +223,9 @@ concept scheduled_awaiter = requires(A& a, std::coroutine_handle<> h, any_schedu
 
 }  // namespace detail
 
-// co_await resume_on(s, awaitable): awaits a ferry awaitable (a transfer, a when_all, a task) and
-// resumes on `s`, whatever the awaiting coroutine's promise says.
+/// What resume_on(s, awaitable) returns: awaited once, as an rvalue.
+/// co_await resume_on(s, awaitable): awaits a ferry awaitable (a transfer, a when_all, a task) and
+/// resumes on `s`, whatever the awaiting coroutine's promise says.
 template <detail::has_post S, class Awaitable>
 class resume_on_awaitable {
   static_assert(detail::check_scheduler<S>());
@@ -226,18 +236,22 @@ class resume_on_awaitable {
                 "ferry::resume_on takes ferry awaitables: a transfer, when_all(...) or a task");
 
  public:
+  /// Keeps a reference to `s` and the awaitable (moved in, or referred to if an lvalue).
   resume_on_awaitable(S& s, Awaitable&& a)
       : scheduler_(s), awaitable_(std::forward<Awaitable>(a)) {}
 
+  /// The awaiter of resume_on: the inner awaitable's, resuming through the given scheduler.
   class awaiter {
    public:
+    /// Wraps the awaiter of `a`, to resume on `s`.
     awaiter(S& s, stored& a)
         : scheduler_(any_scheduler::reference(s)),
           inner_(detail::get_awaiter(static_cast<stored&&>(a))) {}
 
+    /// The inner awaiter's await_ready.
     bool await_ready() { return inner_.await_ready(); }
-    // A ferry::task told first that it is leaving its own scheduler hands its result back through
-    // that scheduler when it ends, so that whoever awaits it goes on where it belongs.
+    /// A ferry::task told first that it is leaving its own scheduler hands its result back through
+    /// that scheduler when it ends, so that whoever awaits it goes on where it belongs.
     template <class Promise>
     decltype(auto) await_suspend(std::coroutine_handle<Promise> h) {
       if constexpr (requires(Promise& p) { p.note_resumed_elsewhere(); }) {
@@ -245,6 +259,7 @@ class resume_on_awaitable {
       }
       return inner_.await_suspend_on(h, scheduler_);
     }
+    /// The inner awaiter's result.
     decltype(auto) await_resume() { return inner_.await_resume(); }
 
    private:
@@ -252,6 +267,7 @@ class resume_on_awaitable {
     inner_awaiter inner_;
   };
 
+  /// The awaiter; a resume_on is awaited once, as an rvalue.
   awaiter operator co_await() && { return awaiter(scheduler_, awaitable_); }
 
  private:
@@ -259,6 +275,8 @@ class resume_on_awaitable {
   stored awaitable_;
 };
 
+/// Awaits `awaitable` (a transfer, when_all(...), a task) and resumes on `s`, which must outlive
+/// the await; any coroutine can await it, whatever its promise. Use: `co_await resume_on(s, t)`.
 template <detail::has_post S, class Awaitable>
 [[nodiscard]] resume_on_awaitable<S, Awaitable> resume_on(S& s, Awaitable&& awaitable) {
   return resume_on_awaitable<S, Awaitable>(s, std::forward<Awaitable>(awaitable));

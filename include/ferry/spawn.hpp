@@ -22,7 +22,9 @@
 
 namespace ferry {
 
-// Throws std::bad_alloc, before anything runs, when the frame that drives the task cannot be made.
+/// Starts `t` detached on `scheduler` and calls `on_done(exception_ptr)` there when it ends (null
+/// when it returned normally; a task<T>'s value is dropped). on_done must not throw.
+/// Throws std::bad_alloc, before anything runs, when the frame that drives the task cannot be made.
 template <detail::has_post S, class T, class OnDone>
 requires std::is_invocable_v<OnDone&, std::exception_ptr>
 void spawn(S& scheduler, task<T> t, OnDone on_done) {
@@ -33,6 +35,7 @@ void spawn(S& scheduler, task<T> t, OnDone on_done) {
   detail::run_detached(std::move(t), std::move(done)).start_on(detail::hold_scheduler(scheduler));
 }
 
+/// Starts `t` detached on `scheduler`; an exception escaping it ends the process (std::terminate).
 template <detail::has_post S, class T>
 void spawn(S& scheduler, task<T> t) {
   // Rethrown inside a noexcept function: std::terminate, whose default handler names the exception.

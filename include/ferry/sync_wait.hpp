@@ -82,8 +82,8 @@ inline sync_wait_driver drive(task<void>& t) { co_await std::move(t); }
 
 }  // namespace detail
 
-// Runs `t` to completion on `loop`, driven by the calling thread, and returns its value (or
-// rethrows its exception). Work other coroutines posted to `loop` meanwhile runs too.
+/// Runs `t` to completion on `loop`, driven by the calling thread, and returns its value (or
+/// rethrows its exception). Work other coroutines posted to `loop` meanwhile runs too.
 template <class T>
 T sync_wait(run_loop& loop, task<T> t) {
   if constexpr (std::is_void_v<T>) {
@@ -95,15 +95,15 @@ T sync_wait(run_loop& loop, task<T> t) {
   }
 }
 
-// Runs `t` to completion on a run_loop of its own on the calling thread.
+/// Runs `t` to completion on a run_loop of its own on the calling thread.
 template <class T>
 T sync_wait(task<T> t) {
   run_loop loop;
   return sync_wait(loop, std::move(t));
 }
 
-// Runs `t` on `scheduler`, which other threads drive, and blocks the calling thread until it ends.
-// The scheduler is referred to (an any_scheduler is copied) and must outlive the call.
+/// Runs `t` on `scheduler`, which other threads drive, and blocks the calling thread until it ends.
+/// The scheduler is referred to (an any_scheduler is copied) and must outlive the call.
 template <detail::has_post S, class T>
 requires(!std::same_as<std::remove_cv_t<S>, run_loop>) T sync_wait(S& scheduler, task<T> t) {
   static_assert(detail::check_scheduler<std::remove_cv_t<S>>());

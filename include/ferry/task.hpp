@@ -103,15 +103,23 @@ class task_promise<void> : public task_promise_base {
 
 }  // namespace detail
 
+/// A lazy coroutine returning `T` that runs on the scheduler of whoever awaits it.
+///
+/// Nothing runs until it is awaited (co_await std::move(t)), run by sync_wait or started by spawn;
+/// its exception is rethrown to the awaiter. Move-only; destroying it destroys the frame.
 template <class T>
 class [[nodiscard]] task {
   static_assert(!std::is_reference_v<T>, "ferry::task<T&> is not supported; return a pointer");
 
  public:
+  /// The coroutine promise (its get_scheduler() is the scheduler the task inherited).
   using promise_type = detail::task_promise<T>;
+  /// The coroutine handle of the task's frame.
   using handle_type = std::coroutine_handle<promise_type>;
 
+  /// Takes `other`'s coroutine, leaving `other` empty.
   task(task&& other) noexcept : handle_(std::exchange(other.handle_, {})) {}
+  /// Destroys this task's coroutine, if any, and takes `other`'s.
   task& operator=(task&& other) noexcept {
     if (this != &other) {
       destroy();
@@ -121,17 +129,21 @@ class [[nodiscard]] task {
   }
   task(const task&) = delete;
   task& operator=(const task&) = delete;
+  /// Destroys the coroutine frame, if the task still owns one.
   ~task() { destroy(); }
 
+  /// What `co_await std::move(t)` uses: starts the task inline and yields its result.
   class awaiter {
    public:
+    /// An awaiter on the task's coroutine `h` (not owned).
     explicit awaiter(handle_type h) noexcept : handle_(h) {}
 
+    /// True for an empty or finished task: nothing to start.
     bool await_ready() const noexcept { return !handle_ || handle_.done(); }
 
-    // Awaited from a coroutine with a scheduler: the task inherits it, starts inline and, when it
-    // finishes, transfers straight back to the awaiting coroutine (through the scheduler, if the
-    // task went elsewhere with resume_on meanwhile).
+    /// Awaited from a coroutine with a scheduler: the task inherits it, starts inline and, when it
+    /// finishes, transfers straight back to the awaiting coroutine (through the scheduler, if the
+    /// task went elsewhere with resume_on meanwhile).
     template <class Promise>
     std::coroutine_handle<> await_suspend(std::coroutine_handle<Promise> h) {
       if constexpr (detail::promise_with_scheduler<Promise>) {
@@ -142,22 +154,25 @@ class [[nodiscard]] task {
       }
     }
 
-    // Through resume_on: the task runs its awaits on `s`, and the awaiting coroutine resumes through
-    // `s` when the task finishes.
+    /// Through resume_on: the task runs its awaits on `s`, and the awaiting coroutine resumes through
+    /// `s` when the task finishes.
     std::coroutine_handle<> await_suspend_on(std::coroutine_handle<> h, any_scheduler s) noexcept {
       handle_.promise().start(h, std::move(s), true);
       return handle_;
     }
 
+    /// The task's value, or its exception rethrown.
     T await_resume() { return handle_.promise().take(); }
 
    private:
     handle_type handle_;
   };
 
+  /// Awaiting a task (as an rvalue) starts it; its value or exception comes back to the awaiter.
   awaiter operator co_await() && noexcept { return awaiter(handle_); }
 
-  // For sync_wait and for users who start a task on a scheduler of their own.
+  /// The task's coroutine handle; the task still owns it.
+  /// For sync_wait and for users who start a task on a scheduler of their own.
   [[nodiscard]] handle_type handle() const noexcept { return handle_; }
 
  private:

@@ -42,9 +42,9 @@ namespace detail {
 
 }  // namespace detail
 
-// Blocks until the verdict: failed the moment any member fails (whatever its index), success when the
-// last member succeeds, timed_out when the one shared deadline passes with members pending and none
-// failed. timeout < 0: no deadline; == 0: exactly poll_all; > 0: up to that long.
+/// Blocks until the verdict: failed the moment any member fails (whatever its index), success when the
+/// last member succeeds, timed_out when the one shared deadline passes with members pending and none
+/// failed. timeout < 0: no deadline; == 0: exactly poll_all; > 0: up to that long.
 template <class Rep, class Period>
 [[nodiscard]] batch_result wait_all(std::span<const transfer> members,
                                     std::chrono::duration<Rep, Period> timeout) {
@@ -52,8 +52,8 @@ template <class Rep, class Period>
                             detail::batch_mode::short_circuit);
 }
 
-// Blocks until every member is terminal, failures included, so that every destination buffer is
-// quiescent; timed_out if the deadline passes first. The verdict is failed if any member failed.
+/// Blocks until every member is terminal, failures included, so that every destination buffer is
+/// quiescent; timed_out if the deadline passes first. The verdict is failed if any member failed.
 template <class Rep, class Period>
 [[nodiscard]] batch_result drain(std::span<const transfer> members,
                                  std::chrono::duration<Rep, Period> timeout) {

@@ -37,15 +37,17 @@ _ferry.Transfer.__await__ = _await_transfer
 class _WhenAll:
     """The awaitable ferry.when_all returns; awaited once."""
 
-    __slots__ = ("_transfers", "_timeout")
+    __slots__ = ("_transfers", "_timeout", "_who")
 
-    def __init__(self, transfers, timeout):
+    def __init__(self, transfers, timeout, who):
         self._transfers = transfers
         self._timeout = timeout
+        self._who = who
 
     def __await__(self):
         loop = asyncio.get_running_loop()
-        result, future = _notifier(loop).await_batch(self._transfers, self._timeout, loop)
+        result, future = _notifier(loop).await_batch(self._transfers, self._timeout, loop,
+                                                     self._who)
         if future is not None:
             result = yield from future
         return result
@@ -58,6 +60,12 @@ def when_all(transfers, timeout=None):
     succeeds, or at the one shared deadline (timed_out). timeout: None or negative waits forever,
     0 looks once (exactly poll_all), positive waits up to that many seconds. transfers: a
     ferry.Batch or any iterable of Transfers (copied when awaited). Cancelling the awaiting task
-    cancels only the await; the transfers keep running.
+    cancels only the await; the transfers keep running. Bad arguments raise TypeError or
+    ValueError here, not when awaited.
     """
-    return _WhenAll(transfers, timeout)
+    return _when_all(transfers, timeout, "ferry.when_all")
+
+
+def _when_all(transfers, timeout, who):
+    _ferry._check_wait(transfers, timeout, who)
+    return _WhenAll(transfers, timeout, who)

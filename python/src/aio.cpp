@@ -214,10 +214,12 @@ class notifier {
     return start(await_one(state_, t.t), loop);
   }
 
-  py::tuple await_batch(py::handle transfers, py::handle timeout, const py::object& loop) {
-    const members_of mem(transfers);
+  // `who` names the awaitable the caller made (ferry.when_all, LoadTracker.when_layer) in errors.
+  py::tuple await_batch(py::handle transfers, py::handle timeout, const py::object& loop,
+                        const std::string& who) {
+    const members_of mem(transfers, who);
     std::vector<transfer> members(mem.view().begin(), mem.view().end());
-    return start(await_all(state_, std::move(members), timeout_arg(timeout, "timeout")), loop);
+    return start(await_all(state_, std::move(members), timeout_arg(timeout, who)), loop);
   }
 
   // The loop's reader callback: sets the results of every await that has ended.
@@ -284,8 +286,24 @@ void add_asyncio(py::module_& m) {
       .def_property_readonly("fd", &notifier::fd)
       .def_property_readonly("pending", &notifier::pending)
       .def("await_transfer", &notifier::await_transfer)
-      .def("await_batch", &notifier::await_batch)
+      .def("await_batch", &notifier::await_batch, py::arg("transfers"), py::arg("timeout"),
+           py::arg("loop"), py::arg("who") = "ferry.when_all")
       .def("dispatch", &notifier::dispatch);
+
+  // What ferry.when_all and LoadTracker.when_layer check when called, not only once awaited: the
+  // transfers (a Batch, an iterable; a list's or tuple's items are checked now, any other
+  // iterable's when awaited, since reading them would use them up) and the timeout.
+  m.def("_check_wait",
+        [](py::handle transfers, py::handle timeout, const std::string& who) {
+          if (PyList_Check(transfers.ptr()) || PyTuple_Check(transfers.ptr())) {
+            (void)members_of(transfers, who);
+          } else if (!py::isinstance<batch>(transfers)) {
+            (void)iterable_arg(transfers, who, "transfers",
+                               "a ferry.Batch or an iterable of ferry.Transfer");
+          }
+          (void)timeout_arg(timeout, who);
+        },
+        py::arg("transfers"), py::arg("timeout"), py::arg("who"));
 }
 
 }  // namespace ferry::python

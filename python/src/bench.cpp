@@ -65,8 +65,17 @@ batch_wait await_batch(run_loop&, std::span<const transfer> members, batch_resul
 
 void add_bench(py::module_& m) {
   m.def("_bench_cpp",
-        [](std::shared_ptr<progress_executor> exec, const std::string& mode, int rounds,
-           std::size_t n, std::size_t bytes) {
+        [](py::handle executor, py::handle mode_arg, py::handle rounds_arg, py::handle n_arg,
+           py::handle bytes_arg) {
+          static constexpr const char* who = "ferry._bench_cpp";
+          const std::shared_ptr<progress_executor> exec = executor_arg(executor, who);
+          const std::string mode = str_arg(mode_arg, who, "mode");
+          const int rounds = int_arg<int>(rounds_arg, who, "rounds", 0, 1 << 20);
+          const std::size_t n = size_arg(n_arg, who, "n");
+          const std::size_t bytes = size_arg(bytes_arg, who, "bytes");
+          if (n != 0 && bytes > (std::size_t{1} << 40) / n) {
+            throw py::value_error("ferry._bench_cpp: n * bytes must be at most 2^40");
+          }
           if (mode != "wait_all" && mode != "when_all") {
             throw py::value_error("ferry._bench_cpp: mode is 'wait_all' or 'when_all'");
           }

@@ -14,15 +14,19 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <system_error>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "ferry/batch_result.hpp"
+#include "ferry/progress_executor.hpp"
 #include "ferry/transfer.hpp"
 #include "ferry/uring/frame.hpp"
 
@@ -30,21 +34,104 @@ namespace ferry::python {
 
 namespace py = pybind11;
 
-// A constructor's executor argument. pybind11 passes None as an empty pointer: refuse it by name
-// instead of using it (ferry.Loopback(None) crashed the interpreter).
-template <class Executor>
-Executor& executor_arg(const std::shared_ptr<Executor>& exec, const char* who) {
-  if (!exec) throw py::type_error(std::string(who) + ": executor must be a ferry.Executor, not None");
-  return *exec;
+// --- Arguments ---
+//
+// Every public function takes its arguments as Python objects and reads them through these helpers,
+// so that bad input is a TypeError (wrong type, None where an object is needed) or a ValueError
+// (out of range) naming the function (`who`: "ferry.Loopback.copy") and the argument (`what`:
+// "nbytes", "blocks[3]"), never a crash or pybind11's "Unable to cast Python instance of type ...".
+
+// The name of h's type, as Python spells it ("NoneType", "str").
+[[nodiscard]] std::string type_name(py::handle h);
+
+// "who: what" with the item's index: item_name("blocks", 3) is "blocks[3]".
+[[nodiscard]] std::string item_name(std::string_view what, std::size_t index);
+
+// Raises TypeError "who: what must be <expected>, not <h's type>".
+[[noreturn]] void throw_type_error(std::string_view who, std::string_view what,
+                                   std::string_view expected, py::handle got);
+
+// An integer (an int or anything with __index__, such as a numpy integer; not a bool, a float or
+// None) within [lo, hi]: TypeError otherwise, or ValueError naming the bound it is outside of.
+[[nodiscard]] std::int64_t signed_arg(py::handle h, std::string_view who, std::string_view what,
+                                      std::int64_t lo = INT64_MIN, std::int64_t hi = INT64_MAX);
+[[nodiscard]] std::uint64_t unsigned_arg(py::handle h, std::string_view who, std::string_view what,
+                                         std::uint64_t lo = 0, std::uint64_t hi = UINT64_MAX);
+
+// The same for any integer type, bounded by the type itself unless told otherwise.
+template <class Int>
+[[nodiscard]] Int int_arg(py::handle h, std::string_view who, std::string_view what,
+                          Int lo = std::numeric_limits<Int>::min(),
+                          Int hi = std::numeric_limits<Int>::max()) {
+  static_assert(std::is_integral_v<Int> && !std::is_same_v<Int, bool>);
+  if constexpr (std::is_signed_v<Int>) {
+    return static_cast<Int>(signed_arg(h, who, what, lo, hi));
+  } else {
+    return static_cast<Int>(unsigned_arg(h, who, what, lo, hi));
+  }
 }
+
+// A size, count, offset or id: a non-negative integer that fits (at least `lo`).
+[[nodiscard]] inline std::size_t size_arg(py::handle h, std::string_view who,
+                                          std::string_view what, std::size_t lo = 0) {
+  return int_arg<std::size_t>(h, who, what, lo);
+}
+
+// True or False (a numpy bool too), nothing else: an int or None is refused, not read as a truth.
+[[nodiscard]] bool bool_arg(py::handle h, std::string_view who, std::string_view what);
+
+// A real number (an int, a float or a numpy number; not a bool), not NaN.
+[[nodiscard]] double float_arg(py::handle h, std::string_view who, std::string_view what);
+
+// A probability: a number in [0, 1].
+[[nodiscard]] double rate_arg(py::handle h, std::string_view who, std::string_view what);
+
+// A str without NUL characters.
+[[nodiscard]] std::string str_arg(py::handle h, std::string_view who, std::string_view what);
+
+// Something callable (None too when `none_ok`).
+[[nodiscard]] py::object callable_arg(py::handle h, std::string_view who, std::string_view what,
+                                      bool none_ok = false);
+
+// An instance of a bound class (`expected` names it: "a ferry.Transfer"), by reference, or by its
+// shared holder. None is refused by name (pybind11 would pass an empty holder, and a backend given
+// one crashed the interpreter).
+template <class T>
+[[nodiscard]] T& object_arg(py::handle h, std::string_view who, std::string_view what,
+                            std::string_view expected) {
+  if (!py::isinstance<T>(h)) throw_type_error(who, what, expected, h);
+  return h.cast<T&>();
+}
+template <class T>
+[[nodiscard]] std::shared_ptr<T> shared_arg(py::handle h, std::string_view who,
+                                            std::string_view what, std::string_view expected) {
+  if (!py::isinstance<T>(h)) throw_type_error(who, what, expected, h);
+  auto p = h.cast<std::shared_ptr<T>>();
+  if (!p) throw_type_error(who, what, expected, h);
+  return p;
+}
+
+// The executor argument of a backend's constructor.
+[[nodiscard]] std::shared_ptr<progress_executor> executor_arg(py::handle h, std::string_view who);
+
+// An iterator over an iterable argument (a list, a tuple, a generator, ...): TypeError naming it
+// for None or anything that cannot be iterated over.
+[[nodiscard]] py::iterator iterable_arg(py::handle h, std::string_view who, std::string_view what,
+                                        std::string_view expected);
+
+// A pair (a tuple or list of two), the item `what` of a batch: TypeError otherwise.
+[[nodiscard]] std::pair<py::object, py::object> pair_arg(py::handle h, std::string_view who,
+                                                         std::string_view what,
+                                                         std::string_view expected);
 
 // A Python buffer (bytearray, numpy array, memoryview, mmap, ...) held while a transfer may use its
 // memory. While a view is held its exporter keeps the memory where it is: a bytearray refuses to
 // resize, a numpy array to be resized in place. Released only with the GIL held.
 class held_buffer {
  public:
-  // `what` names the argument in errors ("destination", "source"). A destination must be writable.
-  held_buffer(py::handle object, bool writable, const char* what);
+  // `who` and `what` name the function and the argument in errors ("ferry.Loopback.copy",
+  // "dst (the destination)"). A destination must be writable.
+  held_buffer(py::handle object, bool writable, std::string_view who, std::string_view what);
   held_buffer(const held_buffer&) = delete;
   held_buffer& operator=(const held_buffer&) = delete;
   ~held_buffer() { PyBuffer_Release(&view_); }
@@ -73,8 +160,9 @@ struct keep_alive {
   bool reports_value = false;
   std::shared_ptr<keep_alive> inner;  // a wrapped transfer's own (the fault injector's inner one)
 
-  std::span<std::byte> hold(py::handle object, bool writable, const char* what) {
-    buffers.push_back(std::make_unique<held_buffer>(object, writable, what));
+  std::span<std::byte> hold(py::handle object, bool writable, std::string_view who,
+                            std::string_view what) {
+    buffers.push_back(std::make_unique<held_buffer>(object, writable, who, what));
     return buffers.back()->bytes();
   }
 };
@@ -94,6 +182,12 @@ struct py_transfer {
   ~py_transfer();
 };
 
+// A ferry.Transfer argument.
+[[nodiscard]] inline const py_transfer& transfer_arg(py::handle h, std::string_view who,
+                                                     std::string_view what = "transfer") {
+  return object_arg<py_transfer>(h, who, what, "a ferry.Transfer");
+}
+
 // Releases what orphaned transfers kept alive once they have ended; returns how many are still
 // pending. Called with the GIL held (from the module's own calls, or ferry.collect()).
 std::size_t sweep_orphans();
@@ -104,10 +198,10 @@ struct batch {
 };
 
 // The members of a wait, from a ferry.Batch (referred to, and held) or any iterable of Transfers
-// (copied). Built with the GIL held; usable without it.
+// (copied). Built with the GIL held; usable without it. Anything else is a TypeError naming `who`.
 class members_of {
  public:
-  explicit members_of(py::handle transfers);
+  members_of(py::handle transfers, std::string_view who, std::string_view what = "transfers");
   [[nodiscard]] std::span<const transfer> view() const noexcept { return view_; }
 
  private:
@@ -118,14 +212,19 @@ class members_of {
 
 // A timeout argument: None or negative waits forever, 0 looks once, positive waits up to that long
 // (seconds as a number, or a datetime.timedelta). NaN is refused with ValueError.
-[[nodiscard]] std::chrono::duration<double> timeout_arg(py::handle h, const char* what);
+[[nodiscard]] std::chrono::duration<double> timeout_arg(py::handle h, std::string_view who,
+                                                        std::string_view what = "timeout");
 
-// A non-negative length of time for an option (seconds or timedelta), to the nanosecond.
-[[nodiscard]] std::chrono::nanoseconds duration_arg(py::handle h, const char* what);
+// A non-negative length of time for an option (seconds or timedelta), to the nanosecond. Negative
+// is refused with ValueError.
+[[nodiscard]] std::chrono::nanoseconds duration_arg(py::handle h, std::string_view who,
+                                                    std::string_view what);
 
 // A steady-clock time point given as integer nanoseconds of time.monotonic_ns() (the same clock on
 // Linux: CLOCK_MONOTONIC), or now when None.
-[[nodiscard]] std::chrono::steady_clock::time_point time_point_arg(py::handle h);
+[[nodiscard]] std::chrono::steady_clock::time_point time_point_arg(py::handle h,
+                                                                   std::string_view who,
+                                                                   std::string_view what);
 
 // ferry.Error: a std::error_code as Python sees it.
 struct py_error {
@@ -133,16 +232,18 @@ struct py_error {
 };
 
 // An error code from Python: a ferry.Error, an errc value of any ferry layer, an int (an errno value,
-// system category) or None (empty).
-[[nodiscard]] std::error_code error_from(py::handle h);
+// system category) or None (empty). Anything else is a TypeError naming `who` and `what`.
+[[nodiscard]] std::error_code error_from(py::handle h, std::string_view who,
+                                         std::string_view what = "error");
 
 // The Error for `ec`, or None when it is empty.
 [[nodiscard]] py::object error_or_none(std::error_code ec);
 
-// Registers an errc enum of some layer so that Error compares equal to its values and Completer.fail
-// accepts them.
+// Registers an errc enum of some layer (its Python type and how to read its values) so that Error
+// compares equal to its values, both ways (Errc.x == error as error == Errc.x, and so `in` a tuple
+// or a set), and Completer.fail accepts them. A value never equals another category's error.
 using errc_matcher = std::optional<std::error_code> (*)(py::handle);
-void register_errc(errc_matcher m);
+void register_errc(py::handle enum_type, errc_matcher m);
 
 // The exception types, made by the core part and used by the others.
 struct exceptions {

@@ -1,6 +1,8 @@
 // The core seen from Python: the executor, transfers and completers, batches and their verdicts,
 // error codes and exceptions, and the waits (releasing the GIL while they wait).
 
+#include <sched.h>
+
 #include <cmath>
 #include <memory>
 #include <new>
@@ -20,24 +22,200 @@
 
 namespace ferry::python {
 
+// --- Arguments ---
+
+std::string type_name(py::handle h) {
+  return std::string(py::str(py::type::handle_of(h).attr("__name__")));
+}
+
+std::string item_name(std::string_view what, std::size_t index) {
+  return std::string(what) + "[" + std::to_string(index) + "]";
+}
+
+void throw_type_error(std::string_view who, std::string_view what, std::string_view expected,
+                      py::handle got) {
+  throw py::type_error(std::string(who) + ": " + std::string(what) + " must be " +
+                       std::string(expected) + ", not " + type_name(got));
+}
+
+namespace {
+
+[[noreturn]] void throw_value_error(std::string_view who, std::string_view what,
+                                    const std::string& why) {
+  throw py::value_error(std::string(who) + ": " + std::string(what) + " " + why);
+}
+
+// The int behind an integer argument (operator.index of it).
+py::int_ index_of(py::handle h, std::string_view who, std::string_view what) {
+  if (h.ptr() == nullptr || h.is_none() || PyBool_Check(h.ptr()) || !PyIndex_Check(h.ptr())) {
+    throw_type_error(who, what, "an int", h);
+  }
+  PyObject* i = PyNumber_Index(h.ptr());
+  if (i == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::int_>(i);
+}
+
+// How an int out of range is shown: its value, or its size when it is too long to print.
+std::string int_text(const py::int_& i) {
+  int overflow = 0;
+  (void)PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
+  if (overflow == 0) return std::string(py::str(py::handle(i)));
+  const unsigned long long u = PyLong_AsUnsignedLongLong(i.ptr());
+  if (!(u == static_cast<unsigned long long>(-1) && PyErr_Occurred())) return std::to_string(u);
+  PyErr_Clear();
+  const std::string bits = py::str(i.attr("bit_length")());
+  return std::string(overflow < 0 ? "a negative" : "an") + " int of " + bits + " bits";
+}
+
+[[noreturn]] void throw_out_of_range(std::string_view who, std::string_view what,
+                                     const py::int_& i, bool below, const std::string& bound) {
+  if (below && bound == "0") {
+    throw_value_error(who, what, "must not be negative (got " + int_text(i) + ")");
+  }
+  throw_value_error(who, what,
+                    std::string(below ? "must be at least " : "must be at most ") + bound +
+                        " (got " + int_text(i) + ")");
+}
+
+}  // namespace
+
+std::int64_t signed_arg(py::handle h, std::string_view who, std::string_view what,
+                        std::int64_t lo, std::int64_t hi) {
+  const py::int_ i = index_of(h, who, what);
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  if (overflow < 0 || (overflow == 0 && v < lo)) {
+    throw_out_of_range(who, what, i, true, std::to_string(lo));
+  }
+  if (overflow > 0 || v > hi) throw_out_of_range(who, what, i, false, std::to_string(hi));
+  return v;
+}
+
+std::uint64_t unsigned_arg(py::handle h, std::string_view who, std::string_view what,
+                           std::uint64_t lo, std::uint64_t hi) {
+  const py::int_ i = index_of(h, who, what);
+  const int negative = PyObject_RichCompareBool(i.ptr(), py::int_(0).ptr(), Py_LT);
+  if (negative < 0) throw py::error_already_set();
+  if (negative != 0) throw_out_of_range(who, what, i, true, std::to_string(lo));
+  const unsigned long long v = PyLong_AsUnsignedLongLong(i.ptr());
+  if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+    PyErr_Clear();  // OverflowError: above every 64-bit value
+    throw_out_of_range(who, what, i, false, std::to_string(hi));
+  }
+  if (v < lo) throw_out_of_range(who, what, i, true, std::to_string(lo));
+  if (v > hi) throw_out_of_range(who, what, i, false, std::to_string(hi));
+  return v;
+}
+
+bool bool_arg(py::handle h, std::string_view who, std::string_view what) {
+  if (PyBool_Check(h.ptr())) return h.ptr() == Py_True;
+  const char* const type = Py_TYPE(h.ptr())->tp_name;
+  if (std::string_view(type) == "numpy.bool_" || std::string_view(type) == "numpy.bool") {
+    const int truth = PyObject_IsTrue(h.ptr());
+    if (truth < 0) throw py::error_already_set();
+    return truth != 0;
+  }
+  throw_type_error(who, what, "True or False", h);
+}
+
+double float_arg(py::handle h, std::string_view who, std::string_view what) {
+  if (PyBool_Check(h.ptr()) ||
+      !(PyFloat_Check(h.ptr()) || PyLong_Check(h.ptr()) || PyIndex_Check(h.ptr()))) {
+    throw_type_error(who, what, "a number", h);
+  }
+  const double d = PyFloat_AsDouble(h.ptr());
+  if (d == -1.0 && PyErr_Occurred()) {
+    if (!PyErr_ExceptionMatches(PyExc_OverflowError)) throw py::error_already_set();
+    PyErr_Clear();
+    throw_value_error(who, what, "is too large");
+  }
+  if (std::isnan(d)) throw_value_error(who, what, "is NaN");
+  return d;
+}
+
+double rate_arg(py::handle h, std::string_view who, std::string_view what) {
+  const double d = float_arg(h, who, what);
+  if (d < 0.0 || d > 1.0) {
+    throw_value_error(who, what, "must lie in [0, 1] (got " + std::string(py::repr(h)) + ")");
+  }
+  return d;
+}
+
+std::string str_arg(py::handle h, std::string_view who, std::string_view what) {
+  if (!PyUnicode_Check(h.ptr())) throw_type_error(who, what, "a str", h);
+  Py_ssize_t n = 0;
+  const char* s = PyUnicode_AsUTF8AndSize(h.ptr(), &n);
+  if (s == nullptr) throw py::error_already_set();
+  std::string out(s, static_cast<std::size_t>(n));
+  if (out.find('\0') != std::string::npos) throw_value_error(who, what, "holds a NUL character");
+  return out;
+}
+
+py::object callable_arg(py::handle h, std::string_view who, std::string_view what, bool none_ok) {
+  if (none_ok && h.is_none()) return py::none();
+  if (h.is_none() || PyCallable_Check(h.ptr()) == 0) {
+    throw_type_error(who, what, none_ok ? "callable or None" : "callable", h);
+  }
+  return py::reinterpret_borrow<py::object>(h);
+}
+
+std::shared_ptr<progress_executor> executor_arg(py::handle h, std::string_view who) {
+  return shared_arg<progress_executor>(h, who, "executor", "a ferry.Executor");
+}
+
+py::iterator iterable_arg(py::handle h, std::string_view who, std::string_view what,
+                          std::string_view expected) {
+  if (h.is_none()) throw_type_error(who, what, expected, h);
+  PyObject* it = PyObject_GetIter(h.ptr());
+  if (it == nullptr) {
+    if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw py::error_already_set();
+    PyErr_Clear();
+    throw_type_error(who, what, expected, h);
+  }
+  return py::reinterpret_steal<py::iterator>(it);
+}
+
+std::pair<py::object, py::object> pair_arg(py::handle h, std::string_view who,
+                                           std::string_view what, std::string_view expected) {
+  if (!(PyTuple_Check(h.ptr()) || PyList_Check(h.ptr()))) throw_type_error(who, what, expected, h);
+  const py::sequence seq = py::reinterpret_borrow<py::sequence>(h);
+  if (seq.size() != 2) {
+    throw py::type_error(std::string(who) + ": " + std::string(what) + " must be " +
+                         std::string(expected) + ", not a " + type_name(h) + " of " +
+                         std::to_string(seq.size()));
+  }
+  return {seq[0], seq[1]};
+}
+
 // --- Buffers ---
 
-held_buffer::held_buffer(py::handle object, bool writable, const char* what) {
+held_buffer::held_buffer(py::handle object, bool writable, std::string_view who,
+                         std::string_view what) {
   const int flags = PyBUF_ANY_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
-  if (PyObject_GetBuffer(object.ptr(), &view_, flags) != 0) {
-    PyErr_Clear();
-    const std::string type = py::str(py::type::handle_of(object).attr("__name__"));
-    std::string why;
-    if (!PyObject_CheckBuffer(object.ptr())) {
-      why = "does not support the buffer protocol";
-    } else if (writable) {
-      why = "is not a writable contiguous buffer (bytes and read-only views cannot be written "
-            "into: pass a bytearray, a writable memoryview or a contiguous numpy array)";
-    } else {
-      why = "is not a contiguous buffer";
-    }
-    throw py::type_error("ferry: the " + std::string(what) + " (" + type + ") " + why);
+  if (PyObject_GetBuffer(object.ptr(), &view_, flags) == 0) return;
+  PyErr_Clear();
+  if (!PyObject_CheckBuffer(object.ptr())) {
+    throw_type_error(who, what,
+                     "a buffer (anything with the buffer protocol: bytearray, memoryview, numpy "
+                     "array, mmap" + std::string(writable ? "" : ", bytes") + ")",
+                     object);
   }
+  // Which of the two it lacks: a read-only view of contiguous memory, or memory with gaps.
+  Py_buffer probe{};
+  const bool read_only =
+      writable && PyObject_GetBuffer(object.ptr(), &probe, PyBUF_WRITABLE | PyBUF_STRIDES) != 0;
+  if (read_only) {
+    PyErr_Clear();
+    throw py::type_error(std::string(who) + ": " + std::string(what) +
+                         " must be a writable buffer, not a read-only " + type_name(object) +
+                         " (bytes and read-only views cannot be written into: pass a bytearray, "
+                         "a writable memoryview or a numpy array)");
+  }
+  if (writable) PyBuffer_Release(&probe);
+  throw py::type_error(std::string(who) + ": " + std::string(what) +
+                       " must be a contiguous buffer, not a strided " + type_name(object) +
+                       " (a slice with steps of an array or memoryview: pass a contiguous copy)");
 }
 
 // --- Orphans ---
@@ -82,22 +260,20 @@ std::size_t sweep_orphans() {
 
 // --- Members of a wait ---
 
-members_of::members_of(py::handle transfers) {
+members_of::members_of(py::handle transfers, std::string_view who, std::string_view what) {
   if (py::isinstance<batch>(transfers)) {
     hold_ = py::reinterpret_borrow<py::object>(transfers);
     view_ = transfers.cast<const batch&>().members;
     return;
   }
+  const py::iterator items =
+      iterable_arg(transfers, who, what, "a ferry.Batch or an iterable of ferry.Transfer");
   if (PyList_Check(transfers.ptr()) || PyTuple_Check(transfers.ptr())) {
     const py::sequence seq = py::reinterpret_borrow<py::sequence>(transfers);
     own_.reserve(seq.size());
   }
-  for (py::handle item : py::iter(transfers)) {
-    if (!py::isinstance<py_transfer>(item)) {
-      throw py::type_error("ferry: a batch holds ferry.Transfer objects, not " +
-                           std::string(py::str(py::type::handle_of(item).attr("__name__"))));
-    }
-    own_.push_back(item.cast<const py_transfer&>().t);
+  for (py::handle item : items) {
+    own_.push_back(transfer_arg(item, who, item_name(what, own_.size())).t);
   }
   view_ = own_;
 }
@@ -106,42 +282,50 @@ members_of::members_of(py::handle transfers) {
 
 namespace {
 
-double seconds_of(py::handle h, const char* what) {
+double seconds_of(py::handle h, std::string_view who, std::string_view what) {
   static const py::object timedelta = py::module_::import("datetime").attr("timedelta");
   if (py::isinstance(h, timedelta)) return h.attr("total_seconds")().cast<double>();
   if (PyBool_Check(h.ptr()) || !(PyFloat_Check(h.ptr()) || PyLong_Check(h.ptr()))) {
-    throw py::type_error(std::string("ferry: ") + what +
-                         " must be a number of seconds or a datetime.timedelta, not " +
-                         std::string(py::str(py::type::handle_of(h).attr("__name__"))));
+    throw_type_error(who, what, "a number of seconds or a datetime.timedelta", h);
   }
   const double s = PyFloat_AsDouble(h.ptr());
-  if (s == -1.0 && PyErr_Occurred()) throw py::error_already_set();
-  if (std::isnan(s)) throw py::value_error(std::string("ferry: ") + what + " is NaN");
+  if (s == -1.0 && PyErr_Occurred()) {
+    if (!PyErr_ExceptionMatches(PyExc_OverflowError)) throw py::error_already_set();
+    PyErr_Clear();
+    throw_value_error(who, what, "is too long");
+  }
+  if (std::isnan(s)) throw_value_error(who, what, "is NaN");
   return s;
 }
 
 }  // namespace
 
-std::chrono::duration<double> timeout_arg(py::handle h, const char* what) {
+std::chrono::duration<double> timeout_arg(py::handle h, std::string_view who,
+                                          std::string_view what) {
   if (h.is_none()) return std::chrono::duration<double>(-1.0);
-  return std::chrono::duration<double>(seconds_of(h, what));
+  return std::chrono::duration<double>(seconds_of(h, who, what));
 }
 
-std::chrono::nanoseconds duration_arg(py::handle h, const char* what) {
-  const double s = seconds_of(h, what);
-  if (std::isinf(s) || std::fabs(s) > 9.2e9) {
-    throw py::value_error(std::string("ferry: ") + what + " is too long (" + std::to_string(s) +
-                          " s)");
+std::chrono::nanoseconds duration_arg(py::handle h, std::string_view who, std::string_view what) {
+  const double s = seconds_of(h, who, what);
+  if (s < 0.0) {
+    throw py::value_error(std::string(who) + ": negative " + std::string(what) + " (" +
+                          std::string(py::repr(h)) + "): a length of time is 0 or more");
+  }
+  if (std::isinf(s) || s > 9.2e9) {
+    throw_value_error(who, what, "is too long (" + std::string(py::repr(h)) + ")");
   }
   return std::chrono::round<std::chrono::nanoseconds>(std::chrono::duration<double>(s));
 }
 
-std::chrono::steady_clock::time_point time_point_arg(py::handle h) {
+std::chrono::steady_clock::time_point time_point_arg(py::handle h, std::string_view who,
+                                                     std::string_view what) {
   if (h.is_none()) return std::chrono::steady_clock::now();
-  if (!PyLong_Check(h.ptr()) || PyBool_Check(h.ptr())) {
-    throw py::type_error("ferry: a time point is integer nanoseconds of time.monotonic_ns()");
+  if (!PyLong_Check(h.ptr()) && PyIndex_Check(h.ptr()) == 0) {
+    throw_type_error(who, what, "integer nanoseconds of time.monotonic_ns() or None", h);
   }
-  return std::chrono::steady_clock::time_point(std::chrono::nanoseconds(h.cast<std::int64_t>()));
+  return std::chrono::steady_clock::time_point(
+      std::chrono::nanoseconds(signed_arg(h, who, what, 0)));
 }
 
 // --- Errors ---
@@ -166,20 +350,46 @@ std::string error_repr(const std::error_code& ec) {
          ", '" + ec.message() + "')";
 }
 
+// An errc value compared with `other`: equal to a ferry.Error with exactly its code and to a value
+// of its own enum with the same number; never to another category's value. NotImplemented for
+// anything else (an int, say: Python then answers unequal, as pybind11's own comparison did).
+py::object compare_errc(py::handle self, py::handle other, bool equal) {
+  const std::optional<std::error_code> mine = match_errc(self);
+  std::optional<std::error_code> theirs;
+  if (py::isinstance<py_error>(other)) {
+    theirs = other.cast<const py_error&>().code;
+  } else {
+    theirs = match_errc(other);
+  }
+  if (!mine || !theirs) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+  return py::bool_((*mine == *theirs) == equal);
+}
+
 }  // namespace
 
-void register_errc(errc_matcher m) { matchers().push_back(m); }
+void register_errc(py::handle enum_type, errc_matcher m) {
+  matchers().push_back(m);
+  // pybind11's enum __eq__ answers False for any other type, so Python never asks the Error's
+  // own __eq__: Errc.x == error and `error in (Errc.x, ...)` were False. Replaced, with __ne__;
+  // the hash stays the value's, as Error's is.
+  const py::object type = py::reinterpret_borrow<py::object>(enum_type);
+  type.attr("__eq__") = py::cpp_function(
+      [](py::handle self, py::handle other) { return compare_errc(self, other, true); },
+      py::name("__eq__"), py::is_method(type), py::arg("other"));
+  type.attr("__ne__") = py::cpp_function(
+      [](py::handle self, py::handle other) { return compare_errc(self, other, false); },
+      py::name("__ne__"), py::is_method(type), py::arg("other"));
+}
 
-std::error_code error_from(py::handle h) {
+std::error_code error_from(py::handle h, std::string_view who, std::string_view what) {
   if (h.is_none()) return {};
   if (py::isinstance<py_error>(h)) return h.cast<const py_error&>().code;
   if (std::optional<std::error_code> ec = match_errc(h)) return *ec;
-  if (PyLong_Check(h.ptr()) && !PyBool_Check(h.ptr())) {
-    return {h.cast<int>(), std::system_category()};
+  if ((PyLong_Check(h.ptr()) || PyIndex_Check(h.ptr()) != 0) && !PyBool_Check(h.ptr())) {
+    return {int_arg<int>(h, who, what, 0), std::system_category()};
   }
-  throw py::type_error("ferry: an error is a ferry.Error, an Errc value of a ferry layer or an "
-                       "errno number, not " +
-                       std::string(py::str(py::type::handle_of(h).attr("__name__"))));
+  throw_type_error(who, what,
+                   "a ferry.Error, an Errc value of a ferry layer, an errno number or None", h);
 }
 
 py::object error_or_none(std::error_code ec) {
@@ -224,9 +434,11 @@ void raise_failed_transfer(const transfer& t) {
                    std::string("ferry: transfer ") + to_string(t.state()) + ": " + ec.message(), ec);
 }
 
-executor_options executor_options_from(const std::string& mode, py::handle spin_budget,
-                                       py::handle in_flight_spin, std::size_t poll_budget,
-                                       int cpu) {
+executor_options executor_options_from(py::handle mode_arg, py::handle spin_budget,
+                                       py::handle in_flight_spin, py::handle poll_budget,
+                                       py::handle cpu) {
+  static constexpr const char* who = "ferry.Executor";
+  const std::string mode = str_arg(mode_arg, who, "mode");
   executor_options o;
   if (mode == "adaptive") {
     o.mode = progress_mode::adaptive;
@@ -238,15 +450,18 @@ executor_options executor_options_from(const std::string& mode, py::handle spin_
     throw py::value_error("ferry.Executor: mode must be 'adaptive', 'busy' or 'park', not '" +
                           mode + "'");
   }
-  if (!spin_budget.is_none()) o.spin_budget = duration_arg(spin_budget, "spin_budget");
-  if (!in_flight_spin.is_none()) o.in_flight_spin = duration_arg(in_flight_spin, "in_flight_spin");
-  o.poll_budget = poll_budget;
-  o.cpu = cpu;
+  if (!spin_budget.is_none()) o.spin_budget = duration_arg(spin_budget, who, "spin_budget");
+  if (!in_flight_spin.is_none()) {
+    o.in_flight_spin = duration_arg(in_flight_spin, who, "in_flight_spin");
+  }
+  o.poll_budget = size_arg(poll_budget, who, "poll_budget", 1);
+  o.cpu = int_arg<int>(cpu, who, "cpu", -1, CPU_SETSIZE - 1);  // -1: not pinned
   return o;
 }
 
-batch_result wait_batch_released(const members_of& m, py::handle timeout, bool drain_mode) {
-  const auto t = timeout_arg(timeout, "timeout");
+batch_result wait_batch_released(const members_of& m, py::handle timeout, bool drain_mode,
+                                 const char* who) {
+  const auto t = timeout_arg(timeout, who);
   return wait_released(
       t,
       [&](std::chrono::nanoseconds slice) {
@@ -296,7 +511,8 @@ void add_core(py::module_& m) {
       .value("pending", verdict::pending)
       .value("timed_out", verdict::timed_out);
 
-  py::enum_<errc>(m, "Errc", "ferry's own error conditions (category 'ferry').")
+  const auto ferry_errc =
+      py::enum_<errc>(m, "Errc", "ferry's own error conditions (category 'ferry').")
       .value("empty_transfer", errc::empty_transfer)
       .value("abandoned", errc::abandoned)
       .value("cancelled", errc::cancelled)
@@ -308,15 +524,18 @@ void add_core(py::module_& m) {
       .value("batch_too_large", errc::batch_too_large)
       .value("empty_buffer", errc::empty_buffer)
       .value("submission_queue_full", errc::submission_queue_full);
-  register_errc([](py::handle h) -> std::optional<std::error_code> {
+  register_errc(ferry_errc, [](py::handle h) -> std::optional<std::error_code> {
     if (!py::isinstance<errc>(h)) return std::nullopt;
     return make_error_code(h.cast<errc>());
   });
 
   py::class_<py_error>(m, "Error",
                        "Why a transfer failed: a std::error_code (category, value, message). "
-                       "Compares equal to the Errc values of every ferry layer.")
-      .def(py::init([](py::handle h) { return py_error{error_from(h)}; }), py::arg("code"))
+                       "Compares equal, both ways and with the same hash, to the Errc value of "
+                       "its own layer (ferry.Errc, ferry.uring.Errc, ...), never to another "
+                       "layer's value with the same number.")
+      .def(py::init([](py::handle h) { return py_error{error_from(h, "ferry.Error", "code")}; }),
+           py::arg("code"))
       .def_property_readonly("category",
                              [](const py_error& e) { return std::string(e.code.category().name()); })
       .def_property_readonly("value", [](const py_error& e) { return e.code.value(); })
@@ -332,15 +551,31 @@ void add_core(py::module_& m) {
       .def("__bool__", [](const py_error& e) { return static_cast<bool>(e.code); })
       .def("__str__", [](const py_error& e) { return e.code.message(); })
       .def("__repr__", [](const py_error& e) { return error_repr(e.code); })
-      .def("__hash__",
-           [](const py_error& e) {
-             return py::hash(py::make_tuple(std::string(e.code.category().name()), e.code.value()));
-           })
-      .def("__eq__", [](const py_error& e, py::handle other) -> py::object {
-        if (py::isinstance<py_error>(other)) return py::bool_(e.code == other.cast<const py_error&>().code);
-        if (std::optional<std::error_code> ec = match_errc(other)) return py::bool_(e.code == *ec);
-        return py::reinterpret_borrow<py::object>(Py_NotImplemented);
-      });
+      // The value's hash, as an Errc value's is (pybind11 hashes an enum value as its int): an
+      // Error and the Errc value it equals land in the same set slot and dict entry.
+      .def("__hash__", [](const py_error& e) { return py::hash(py::int_(e.code.value())); })
+      .def("__eq__",
+           [](const py_error& e, py::handle other) -> py::object {
+             if (py::isinstance<py_error>(other)) {
+               return py::bool_(e.code == other.cast<const py_error&>().code);
+             }
+             if (std::optional<std::error_code> ec = match_errc(other)) {
+               return py::bool_(e.code == *ec);
+             }
+             return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+           },
+           py::arg("other"))
+      .def("__ne__",
+           [](const py_error& e, py::handle other) -> py::object {
+             if (py::isinstance<py_error>(other)) {
+               return py::bool_(e.code != other.cast<const py_error&>().code);
+             }
+             if (std::optional<std::error_code> ec = match_errc(other)) {
+               return py::bool_(e.code != *ec);
+             }
+             return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+           },
+           py::arg("other"));
 
   py::class_<batch_result>(m, "BatchResult",
                            "A batch's verdict: success iff every member succeeded; failed if any "
@@ -415,7 +650,7 @@ void add_core(py::module_& m) {
            [](const py_transfer& self, py::handle timeout) {
              const transfer t = self.t;
              return wait_released(
-                 timeout_arg(timeout, "timeout"),
+                 timeout_arg(timeout, "ferry.Transfer.wait"),
                  [&](std::chrono::nanoseconds slice) { return t.wait_for(slice); },
                  [](transfer_state s) { return s != transfer_state::pending; });
            },
@@ -429,7 +664,23 @@ void add_core(py::module_& m) {
              return s;
            },
            "Returns the state, or raises TransferFailed if it failed or was cancelled.")
-      .def("__eq__", [](const py_transfer& a, const py_transfer& b) { return a.t == b.t; })
+      // Anything but a Transfer is unequal (t == None was a TypeError).
+      .def("__eq__",
+           [](const py_transfer& a, py::handle b) -> py::object {
+             if (!py::isinstance<py_transfer>(b)) {
+               return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+             }
+             return py::bool_(a.t == b.cast<const py_transfer&>().t);
+           },
+           py::arg("other"))
+      .def("__ne__",
+           [](const py_transfer& a, py::handle b) -> py::object {
+             if (!py::isinstance<py_transfer>(b)) {
+               return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+             }
+             return py::bool_(!(a.t == b.cast<const py_transfer&>().t));
+           },
+           py::arg("other"))
       .def("__hash__", [](const py_transfer& t) { return std::hash<const void*>{}(t.t.status()); })
       .def("__repr__", [](const py_transfer& t) {
         std::string s = std::string("ferry.Transfer(") + to_string(t.t.state());
@@ -443,7 +694,9 @@ void add_core(py::module_& m) {
                         "fails the transfer with Errc.abandoned.")
       .def("succeed", &completer::succeed)
       .def("fail",
-           [](completer& c, py::handle error) { return c.fail(error_from(error)); },
+           [](completer& c, py::handle error) {
+             return c.fail(error_from(error, "ferry.Completer.fail"));
+           },
            py::arg("error") = py::none(),
            "Fails with `error` (an Errc value, a ferry.Error or an errno); None gives "
            "Errc.unspecified_failure.")
@@ -458,11 +711,13 @@ void add_core(py::module_& m) {
         },
         "A pending transfer and the Completer that ends it.");
   m.def("make_completed_transfer",
-        [](transfer_state s, py::handle error) {
+        [](py::handle state, py::handle error) {
+          static constexpr const char* who = "ferry.make_completed_transfer";
+          const transfer_state s = object_arg<transfer_state>(state, who, "state", "a ferry.State");
           if (s == transfer_state::pending) {
             throw py::value_error("ferry.make_completed_transfer: the state must be terminal");
           }
-          return py_transfer(make_completed_transfer(s, error_from(error)));
+          return py_transfer(make_completed_transfer(s, error_from(error, who)));
         },
         py::arg("state"), py::arg("error") = py::none());
 
@@ -470,28 +725,31 @@ void add_core(py::module_& m) {
                     "An immutable batch of transfers held in C++: poll_all, wait_all, drain and "
                     "when_all take it without copying (they also take any iterable of Transfers).")
       .def(py::init([](py::handle transfers) {
-             members_of mem(transfers);
+             members_of mem(transfers, "ferry.Batch");
              return batch{std::vector<transfer>(mem.view().begin(), mem.view().end())};
            }),
            py::arg("transfers"))
       .def("__len__", [](const batch& b) { return b.members.size(); })
       .def("__getitem__",
-           [](const batch& b, std::ptrdiff_t i) {
-             const auto n = static_cast<std::ptrdiff_t>(b.members.size());
+           [](const batch& b, py::handle index) {
+             std::int64_t i = signed_arg(index, "ferry.Batch.__getitem__", "index");
+             const auto n = static_cast<std::int64_t>(b.members.size());
              if (i < 0) i += n;
              if (i < 0 || i >= n) throw py::index_error("ferry.Batch index out of range");
              return py_transfer(b.members[static_cast<std::size_t>(i)]);
            });
 
   m.def("poll_all",
-        [](py::handle transfers) { return poll_all(members_of(transfers).view()); },
+        [](py::handle transfers) {
+          return poll_all(members_of(transfers, "ferry.poll_all").view());
+        },
         py::arg("transfers"),
         "The verdict now: success iff every member succeeded; failed if any failed or was "
         "cancelled, even with others pending; else pending. Empty: success. Never blocks.");
   m.def("wait_all",
         [](py::handle transfers, py::handle timeout) {
-          const members_of mem(transfers);
-          return wait_batch_released(mem, timeout, false);
+          const members_of mem(transfers, "ferry.wait_all");
+          return wait_batch_released(mem, timeout, false, "ferry.wait_all");
         },
         py::arg("transfers"), py::arg("timeout") = py::none(),
         "Blocks with the GIL released: failed the moment any member fails, success when the last "
@@ -499,8 +757,8 @@ void add_core(py::module_& m) {
         "poll_all; positive: up to that many seconds.");
   m.def("drain",
         [](py::handle transfers, py::handle timeout) {
-          const members_of mem(transfers);
-          return wait_batch_released(mem, timeout, true);
+          const members_of mem(transfers, "ferry.drain");
+          return wait_batch_released(mem, timeout, true, "ferry.drain");
         },
         py::arg("transfers"), py::arg("timeout") = py::none(),
         "Blocks with the GIL released until every member is terminal (failures included), so "
@@ -513,8 +771,8 @@ void add_core(py::module_& m) {
       m, "Executor",
       "The progress executor: one thread that polls every backend registered with it. Backends "
       "keep their executor alive; it stops once the last of them is gone.")
-      .def(py::init([](const std::string& mode, py::handle spin_budget, py::handle in_flight_spin,
-                       std::size_t poll_budget, int cpu) {
+      .def(py::init([](py::handle mode, py::handle spin_budget, py::handle in_flight_spin,
+                       py::handle poll_budget, py::handle cpu) {
              return std::make_shared<progress_executor>(
                  executor_options_from(mode, spin_budget, in_flight_spin, poll_budget, cpu));
            }),
@@ -539,21 +797,26 @@ void add_core(py::module_& m) {
   };
   py::class_<py_loopback, std::shared_ptr<py_loopback>>(
       m, "Loopback", "Copies between buffers of this process, completed by the executor.")
-      .def(py::init([](std::shared_ptr<progress_executor> exec, std::size_t queue_depth) {
-             executor_arg(exec, "ferry.Loopback");
+      .def(py::init([](py::handle executor, py::handle queue_depth) {
+             static constexpr const char* who = "ferry.Loopback";
+             std::shared_ptr<progress_executor> exec = executor_arg(executor, who);
+             const loopback_options o{size_arg(queue_depth, who, "queue_depth", 1)};
              auto l = std::make_shared<py_loopback>();
-             l->backend = std::make_unique<loopback_backend>(*exec, loopback_options{queue_depth});
+             l->backend = std::make_unique<loopback_backend>(*exec, o);
              l->exec = std::move(exec);
              return l;
            }),
            py::arg("executor"), py::arg("queue_depth") = 16384)
       .def("copy",
            [](py_loopback& l, py::handle dst, py::handle src, py::handle nbytes) {
+             static constexpr const char* who = "ferry.Loopback.copy";
+             const std::optional<std::size_t> n =
+                 nbytes.is_none() ? std::nullopt
+                                  : std::optional<std::size_t>(size_arg(nbytes, who, "nbytes"));
              auto keep = std::make_shared<keep_alive>();
-             const std::span<std::byte> d = keep->hold(dst, true, "destination");
-             const std::span<std::byte> s = keep->hold(src, false, "source");
-             const std::size_t n = nbytes.is_none() ? s.size() : nbytes.cast<std::size_t>();
-             return py_transfer(l.backend->copy(d, s, n), std::move(keep));
+             const std::span<std::byte> d = keep->hold(dst, true, who, "dst (the destination)");
+             const std::span<std::byte> s = keep->hold(src, false, who, "src (the source)");
+             return py_transfer(l.backend->copy(d, s, n.value_or(s.size())), std::move(keep));
            },
            py::arg("dst"), py::arg("src"), py::arg("nbytes") = py::none(),
            "Copies the first nbytes (default: all) of src into the front of dst. Both buffers are "

@@ -65,21 +65,39 @@ py::dict transfer_error_attrs(const kv::transfer_error& e) {
   return d;
 }
 
-std::vector<kv::block_id> blocks_of(py::handle blocks) {
+std::vector<kv::block_id> blocks_of(py::handle blocks, const char* who) {
   std::vector<kv::block_id> out;
-  for (py::handle b : py::iter(blocks)) out.push_back(b.cast<kv::block_id>());
+  for (py::handle b : iterable_arg(blocks, who, "blocks", "an iterable of block ids (ints)")) {
+    out.push_back(int_arg<kv::block_id>(b, who, item_name("blocks", out.size())));
+  }
   return out;
 }
 
-kv::request_options options_from(bool hybrid, py::handle abort_timeout,
-                                 py::handle admission_timeout) {
+kv::request_options options_from(py::handle hybrid, py::handle abort_timeout,
+                                 py::handle admission_timeout, const char* who) {
   kv::request_options o;
-  o.hybrid = hybrid;
-  if (!abort_timeout.is_none()) o.abort_timeout = duration_arg(abort_timeout, "abort_timeout");
+  o.hybrid = bool_arg(hybrid, who, "hybrid");
+  if (!abort_timeout.is_none()) o.abort_timeout = duration_arg(abort_timeout, who, "abort_timeout");
   if (!admission_timeout.is_none()) {
-    o.admission_timeout = duration_arg(admission_timeout, "admission_timeout");
+    o.admission_timeout = duration_arg(admission_timeout, who, "admission_timeout");
   }
   return o;
+}
+
+// The arguments every tracker call shares.
+const load_tracker::request_handle& handle_arg(py::handle h, const char* who) {
+  return object_arg<load_tracker::request_handle>(h, who, "handle",
+                                                  "a ferry.kv.RequestHandle (add_request's)");
+}
+kv::request_id id_arg(py::handle h, const char* who) {
+  return int_arg<kv::request_id>(h, who, "id");
+}
+std::size_t layer_arg(py::handle h, const char* who) { return size_arg(h, who, "layer"); }
+
+batch layer_batch(py_tracker& t, py::handle layer, const char* who) {
+  const std::size_t l = layer_arg(layer, who);
+  const std::span<const transfer> s = t.use("layer_transfers").layer_transfers(l);
+  return batch{std::vector<transfer>(s.begin(), s.end())};
 }
 
 }  // namespace
@@ -98,9 +116,10 @@ void add_kv(py::module_& parent) {
     }
   });
 
-  py::enum_<kv::errc>(m, "Errc", "The kv layer's error codes (category 'ferry.kv').")
+  const auto kv_errc =
+      py::enum_<kv::errc>(m, "Errc", "The kv layer's error codes (category 'ferry.kv').")
       .value("empty_request", kv::errc::empty_request);
-  register_errc([](py::handle h) -> std::optional<std::error_code> {
+  register_errc(kv_errc, [](py::handle h) -> std::optional<std::error_code> {
     if (!py::isinstance<kv::errc>(h)) return std::nullopt;
     return kv::make_error_code(h.cast<kv::errc>());
   });
@@ -141,16 +160,11 @@ void add_kv(py::module_& parent) {
       "release(id, verdict) is called from take_finished once per request, when every transfer "
       "of it is terminal; cancel(transfer) asks the backend to end a transfer of a timed-out or "
       "aborted request (e.g. ring.cancel).")
-      .def(py::init([](py::object release, py::object cancel) {
+      .def(py::init([](py::handle release_arg, py::handle cancel_arg) {
              // Checked here, not when a request first ends (LoadTracker(release=42) was taken).
-             if (!release.is_none() && !PyCallable_Check(release.ptr())) {
-               throw py::type_error("ferry.kv.LoadTracker: release must be callable or None, not " +
-                                    std::string(py::str(py::type::of(release).attr("__name__"))));
-             }
-             if (!cancel.is_none() && !PyCallable_Check(cancel.ptr())) {
-               throw py::type_error("ferry.kv.LoadTracker: cancel must be callable or None, not " +
-                                    std::string(py::str(py::type::of(cancel).attr("__name__"))));
-             }
+             static constexpr const char* who = "ferry.kv.LoadTracker";
+             const py::object release = callable_arg(release_arg, who, "release", true);
+             const py::object cancel = callable_arg(cancel_arg, who, "cancel", true);
              load_tracker::release_fn r;
              if (!release.is_none()) {
                r = [release](kv::request_id id, kv::request_verdict v) { release(id, v); };
@@ -166,29 +180,40 @@ void add_kv(py::module_& parent) {
            py::arg("release") = py::none(), py::arg("cancel") = py::none())
       .def("begin_step", [](py_tracker& t) { t.use("begin_step").begin_step(); })
       .def("add_request",
-           [](py_tracker& t, kv::request_id id, bool hybrid, py::handle abort_timeout,
+           [](py_tracker& t, py::handle id, py::handle hybrid, py::handle abort_timeout,
               py::handle admission_timeout, py::handle created_ns) {
-             return t.use("add_request")
-                 .add_request(id, options_from(hybrid, abort_timeout, admission_timeout),
-                              time_point_arg(created_ns));
+             static constexpr const char* who = "ferry.kv.LoadTracker.add_request";
+             const kv::request_id rid = id_arg(id, who);
+             const kv::request_options o =
+                 options_from(hybrid, abort_timeout, admission_timeout, who);
+             const auto created = time_point_arg(created_ns, who, "created_ns");
+             return t.use("add_request").add_request(rid, o, created);
            },
            py::arg("id"), py::arg("hybrid") = false, py::arg("abort_timeout") = py::none(),
            py::arg("admission_timeout") = py::none(), py::arg("created_ns") = py::none(),
            "Starts tracking a request. abort_timeout (default 60 s) and admission_timeout (10 ms) "
            "in seconds; created_ns: its start, in time.monotonic_ns() (default now).")
       .def("add",
-           [](py_tracker& t, load_tracker::request_handle h, std::size_t layer,
-              const py_transfer& tr, py::handle blocks) {
-             const std::vector<kv::block_id> b = blocks_of(blocks);
-             t.use("add").add(h, layer, tr.t, b);
+           [](py_tracker& t, py::handle handle, py::handle layer, py::handle transfer,
+              py::handle blocks) {
+             static constexpr const char* who = "ferry.kv.LoadTracker.add";
+             const load_tracker::request_handle& h = handle_arg(handle, who);
+             const std::size_t l = layer_arg(layer, who);
+             const py_transfer& tr = transfer_arg(transfer, who);
+             const std::vector<kv::block_id> b = blocks_of(blocks, who);
+             t.use("add").add(h, l, tr.t, b);
            },
            py::arg("handle"), py::arg("layer"), py::arg("transfer"), py::arg("blocks"),
            "Registers one transfer of the request: its layer and the destination blocks it "
            "writes. If it raises, nothing was registered.")
       .def("post",
-           [](py_tracker& t, load_tracker::request_handle h, std::size_t layer, py::handle blocks,
-              py::function submit) {
-             const std::vector<kv::block_id> b = blocks_of(blocks);
+           [](py_tracker& t, py::handle handle, py::handle layer_arg_, py::handle blocks,
+              py::handle submit_arg) {
+             static constexpr const char* who = "ferry.kv.LoadTracker.post";
+             const load_tracker::request_handle& h = handle_arg(handle, who);
+             const std::size_t layer = layer_arg(layer_arg_, who);
+             const std::vector<kv::block_id> b = blocks_of(blocks, who);
+             const py::object submit = callable_arg(submit_arg, who, "submit");
              load_tracker& tracker = t.use("post");
              // What submit returned, held until the tracker has registered it (its buffers then
              // live on in the Transfer, or the orphan list once dropped).
@@ -201,6 +226,9 @@ void add_kv(py::module_& parent) {
                const busy_again again{t};
                py::object r = submit();
                if (r.is_none()) return std::nullopt;
+               if (!py::isinstance<py_transfer>(r)) {
+                 throw_type_error(who, "what submit() returns", "a ferry.Transfer or None", r);
+               }
                const transfer tr = r.cast<const py_transfer&>().t;
                submitted.push_back(std::move(r));
                return tr;
@@ -216,30 +244,45 @@ void add_kv(py::module_& parent) {
            "with backoff, the GIL released between tries, until the admission deadline; then an "
            "already-failed transfer, Errc.submission_queue_full, is registered). submit must not "
            "call the tracker.")
-      .def("seal", [](py_tracker& t, load_tracker::request_handle h) { t.use("seal").seal(h); },
+      .def("seal",
+           [](py_tracker& t, py::handle handle) {
+             t.use("seal").seal(handle_arg(handle, "ferry.kv.LoadTracker.seal"));
+           },
            py::arg("handle"), "Every transfer has been added: only now can the request be done.")
       .def("abort_request",
-           [](py_tracker& t, kv::request_id id) { t.use("abort_request").abort_request(id); },
+           [](py_tracker& t, py::handle id) {
+             t.use("abort_request").abort_request(id_arg(id, "ferry.kv.LoadTracker.abort_request"));
+           },
            py::arg("id"))
       .def("verdict",
-           [](py_tracker& t, kv::request_id id, py::handle now_ns) {
-             return t.use("verdict").verdict(id, time_point_arg(now_ns));
+           [](py_tracker& t, py::handle id, py::handle now_ns) {
+             static constexpr const char* who = "ferry.kv.LoadTracker.verdict";
+             const kv::request_id rid = id_arg(id, who);
+             return t.use("verdict").verdict(rid, time_point_arg(now_ns, who, "now_ns"));
            },
            py::arg("id"), py::arg("now_ns") = py::none(),
            "Never blocks, changes nothing. Raises TransferError for a hybrid request that failed "
            "or timed out (its age strictly greater than abort_timeout), unless aborted.")
       .def("layer_transfers",
-           [](py_tracker& t, std::size_t layer) {
-             const std::span<const transfer> s = t.use("layer_transfers").layer_transfers(layer);
-             return batch{std::vector<transfer>(s.begin(), s.end())};
+           [](py_tracker& t, py::handle layer) {
+             return layer_batch(t, layer, "ferry.kv.LoadTracker.layer_transfers");
            },
            py::arg("layer"), "The step's transfers of `layer`, across every request, as a Batch.")
+      .def("_layer_transfers",
+           [](py_tracker& t, py::handle layer, const std::string& who) {
+             return layer_batch(t, layer, who.c_str());
+           },
+           py::arg("layer"), py::arg("who"),
+           "layer_transfers for when_layer, naming it in errors.")
       .def("wait_layer",
-           [](py_tracker& t, std::size_t layer, py::handle timeout) {
-             const std::span<const transfer> s = t.use("wait_layer").layer_transfers(layer);
+           [](py_tracker& t, py::handle layer, py::handle timeout) {
+             static constexpr const char* who = "ferry.kv.LoadTracker.wait_layer";
+             const std::size_t l = layer_arg(layer, who);
+             const auto deadline = timeout_arg(timeout, who);
+             const std::span<const transfer> s = t.use("wait_layer").layer_transfers(l);
              const std::vector<transfer> members(s.begin(), s.end());
              return wait_released(
-                 timeout_arg(timeout, "timeout"),
+                 deadline,
                  [&](std::chrono::nanoseconds slice) { return wait_all(members, slice); },
                  [](const batch_result& r) { return r.verdict != verdict::timed_out; });
            },
@@ -247,10 +290,11 @@ void add_kv(py::module_& parent) {
            "wait_all over exactly this layer's transfers, with the GIL released.")
       .def("drain_step",
            [](py_tracker& t, py::handle timeout) {
+             const auto deadline = timeout_arg(timeout, "ferry.kv.LoadTracker.drain_step");
              load_tracker& tracker = t.use("drain_step");
              busy_scope busy(t);
              return wait_released(
-                 timeout_arg(timeout, "timeout"),
+                 deadline,
                  [&](std::chrono::nanoseconds slice) { return tracker.drain_step(slice); },
                  [](const batch_result& r) { return r.verdict != verdict::timed_out; });
            },
@@ -258,7 +302,9 @@ void add_kv(py::module_& parent) {
            "Waits until every transfer of this step is terminal, or the deadline.")
       .def("take_finished",
            [](py_tracker& t, py::handle now_ns) {
-             return t.use("take_finished").take_finished(time_point_arg(now_ns));
+             const auto now =
+                 time_point_arg(now_ns, "ferry.kv.LoadTracker.take_finished", "now_ns");
+             return t.use("take_finished").take_finished(now);
            },
            py::arg("now_ns") = py::none(),
            "Hands back every sealed request whose transfers are all terminal, calling release "
@@ -269,7 +315,10 @@ void add_kv(py::module_& parent) {
            "Destination blocks whose load failed, each reported once, once nothing writes them.")
       .def_property_readonly("tracked",
                              [](py_tracker& t) { return t.use("tracked").tracked(); })
-      .def("tracks", [](py_tracker& t, kv::request_id id) { return t.use("tracks").tracks(id); },
+      .def("tracks",
+           [](py_tracker& t, py::handle id) {
+             return t.use("tracks").tracks(id_arg(id, "ferry.kv.LoadTracker.tracks"));
+           },
            py::arg("id"));
 
   py::enum_<kv::ack_result>(m, "AckResult")
@@ -284,16 +333,31 @@ void add_kv(py::module_& parent) {
       m, "ReleaseLedger",
       "The producer side: free(transfer_id) is called once per transfer, after the expected "
       "number of consumers acknowledged it. Thread-safe.")
-      .def(py::init([](py::function free_blocks, std::size_t early_capacity,
-                       std::size_t finished_capacity) {
+      .def(py::init([](py::handle free_arg, py::handle early_capacity,
+                       py::handle finished_capacity) {
+             static constexpr const char* who = "ferry.kv.ReleaseLedger";
+             const py::object free_blocks = callable_arg(free_arg, who, "free");
+             const kv::ledger_options o{size_arg(early_capacity, who, "early_capacity"),
+                                        size_arg(finished_capacity, who, "finished_capacity")};
              return std::make_unique<kv::release_ledger>(
-                 [free_blocks](kv::transfer_id id) { free_blocks(id); },
-                 kv::ledger_options{early_capacity, finished_capacity});
+                 [free_blocks](kv::transfer_id id) { free_blocks(id); }, o);
            }),
            py::arg("free"), py::arg("early_capacity") = 4096,
            py::arg("finished_capacity") = 65536)
-      .def("expect", &kv::release_ledger::expect, py::arg("id"), py::arg("consumers"))
-      .def("acknowledge", &kv::release_ledger::acknowledge, py::arg("id"), py::arg("rank"))
+      .def("expect",
+           [](kv::release_ledger& l, py::handle id, py::handle consumers) {
+             static constexpr const char* who = "ferry.kv.ReleaseLedger.expect";
+             const auto tid = int_arg<kv::transfer_id>(id, who, "id");
+             return l.expect(tid, int_arg<std::uint32_t>(consumers, who, "consumers"));
+           },
+           py::arg("id"), py::arg("consumers"))
+      .def("acknowledge",
+           [](kv::release_ledger& l, py::handle id, py::handle rank) {
+             static constexpr const char* who = "ferry.kv.ReleaseLedger.acknowledge";
+             const auto tid = int_arg<kv::transfer_id>(id, who, "id");
+             return l.acknowledge(tid, int_arg<kv::rank_id>(rank, who, "rank"));
+           },
+           py::arg("id"), py::arg("rank"))
       .def_property_readonly("open", &kv::release_ledger::open)
       .def_property_readonly("early", &kv::release_ledger::early);
 }

@@ -56,24 +56,48 @@ struct py_listener {
   std::optional<ucx::listener> listener;
 };
 
-std::vector<ucx::memory_region> regions_of(py::handle expose) {
+std::vector<ucx::memory_region> regions_of(py::handle expose, const char* who) {
   std::vector<ucx::memory_region> out;
   if (expose.is_none()) return out;
-  for (py::handle r : py::iter(expose)) out.push_back(r.cast<const py_region&>().region);
+  for (py::handle r : iterable_arg(expose, who, "expose",
+                                   "an iterable of ferry.ucx.MemoryRegion or None")) {
+    out.push_back(object_arg<py_region>(r, who, item_name("expose", out.size()),
+                                        "a ferry.ucx.MemoryRegion")
+                      .region);
+  }
   return out;
 }
 
 std::span<const std::byte> bytes_of(py::handle b, std::unique_ptr<held_buffer>& hold,
-                                    const char* what) {
-  hold = std::make_unique<held_buffer>(b, false, what);
+                                    const char* who, const char* what) {
+  hold = std::make_unique<held_buffer>(b, false, who, what);
   return hold->bytes();
 }
 
-ucx::put_completion completion_of(const std::string& s) {
+ucx::put_completion completion_of(py::handle h, const char* who) {
+  const std::string s = str_arg(h, who, "completion");
   if (s == "landed") return ucx::put_completion::landed;
   if (s == "source_reusable") return ucx::put_completion::source_reusable;
-  throw py::value_error("ferry.ucx: completion must be 'landed' or 'source_reusable', not '" + s +
-                        "'");
+  throw py::value_error(std::string(who) +
+                        ": completion must be 'landed' or 'source_reusable', not '" + s + "'");
+}
+
+const py_local_slice& local_arg(py::handle h, const char* who, std::string_view what) {
+  return object_arg<py_local_slice>(h, who, what,
+                                    "a ferry.ucx.LocalSlice (MemoryRegion.slice or whole)");
+}
+const ucx::remote_slice& remote_arg(py::handle h, const char* who, std::string_view what) {
+  return object_arg<ucx::remote_slice>(h, who, what,
+                                       "a ferry.ucx.RemoteSlice (RemoteMemory.slice)");
+}
+
+std::uint16_t port_arg(py::handle h, const char* who) {
+  return int_arg<std::uint16_t>(h, who, "port");
+}
+
+// A connect or accept's timeout: None is 10 s.
+std::chrono::duration<double> connect_timeout(py::handle h, const char* who) {
+  return h.is_none() ? std::chrono::duration<double>(10.0) : timeout_arg(h, who);
 }
 
 // The keep-alive of a get or put: its local region (and what holds that region's memory).
@@ -84,22 +108,27 @@ std::shared_ptr<keep_alive> keep_for(const py_local_slice& local) {
 }
 
 py::list rma_batch(py_endpoint& e, py::handle blocks, py::handle timeout, bool put,
-                   const std::string& completion) {
+                   py::handle completion) {
+  const char* const who = put ? "ferry.ucx.Endpoint.put_batch" : "ferry.ucx.Endpoint.get_batch";
+  const char* const expected = put ? "a (LocalSlice, RemoteSlice) pair: (src, dst)"
+                                   : "a (LocalSlice, RemoteSlice) pair: (dst, src)";
   std::vector<ucx::rma_block> b;
   auto keep = std::make_shared<keep_alive>();
-  for (py::handle item : py::iter(blocks)) {
-    const py::tuple pair = py::reinterpret_borrow<py::tuple>(item);
-    if (pair.size() != 2) {
-      throw py::value_error("ferry.ucx.Endpoint: batch blocks are (LocalSlice, RemoteSlice) pairs");
-    }
-    const py_local_slice& local = pair[0].cast<const py_local_slice&>();
-    b.push_back({local.get(), pair[1].cast<ucx::remote_slice>()});
+  for (py::handle item : iterable_arg(blocks, who, "blocks",
+                                      "an iterable of (LocalSlice, RemoteSlice) pairs")) {
+    const std::string what = item_name("blocks", b.size());
+    const auto [first, second] = pair_arg(item, who, what, expected);
+    const py_local_slice& local = local_arg(first, who, what + "[0]");
+    const ucx::remote_slice& remote = remote_arg(second, who, what + "[1]");
+    b.push_back({local.get(), remote});
     keep->objects.push_back(py::cast(local.region));
   }
+  const auto t = timeout_arg(timeout, who);
+  const ucx::put_completion how =
+      put ? completion_of(completion, who) : ucx::put_completion::landed;
   std::vector<transfer> out(b.size());
-  const auto t = timeout_arg(timeout, "timeout");
   if (put) {
-    e.endpoint.put_batch(b, out, t, completion_of(completion));
+    e.endpoint.put_batch(b, out, t, how);
   } else {
     e.endpoint.get_batch(b, out, t);
   }
@@ -115,7 +144,8 @@ void add_ucx(py::module_& parent) {
       "ucx", "The UCX backend: one-sided get and put, notifications, endpoints by address or by "
              "host and port.");
 
-  py::enum_<ucx::errc>(m, "Errc", "The UCX backend's error codes (category 'ferry::ucx').")
+  const auto ucx_errc = py::enum_<ucx::errc>(
+      m, "Errc", "The UCX backend's error codes (category 'ferry::ucx').")
       .value("deadline_exceeded", ucx::errc::deadline_exceeded)
       .value("endpoint_closed", ucx::errc::endpoint_closed)
       .value("outside_region", ucx::errc::outside_region)
@@ -125,7 +155,7 @@ void add_ucx(py::module_& parent) {
       .value("peer_gone", ucx::errc::peer_gone)
       .value("worker_closed", ucx::errc::worker_closed)
       .value("not_executor_safe", ucx::errc::not_executor_safe);
-  register_errc([](py::handle h) -> std::optional<std::error_code> {
+  register_errc(ucx_errc, [](py::handle h) -> std::optional<std::error_code> {
     if (!py::isinstance<ucx::errc>(h)) return std::nullopt;
     return ucx::make_error_code(h.cast<ucx::errc>());
   });
@@ -139,7 +169,13 @@ void add_ucx(py::module_& parent) {
       .def_readonly("address", &ucx::remote_memory::address)
       .def_readonly("length", &ucx::remote_memory::length)
       .def_readonly("index", &ucx::remote_memory::index)
-      .def("slice", &ucx::remote_memory::slice, py::arg("offset"), py::arg("length"),
+      .def("slice",
+           [](const ucx::remote_memory& r, py::handle offset, py::handle length) {
+             static constexpr const char* who = "ferry.ucx.RemoteMemory.slice";
+             const std::size_t o = size_arg(offset, who, "offset");
+             return r.slice(o, size_arg(length, who, "length"));
+           },
+           py::arg("offset"), py::arg("length"),
            "Raises IndexError when the range is not inside the region.");
 
   py::class_<py_local_slice>(m, "LocalSlice", "A range of a local region.")
@@ -166,7 +202,10 @@ void add_ucx(py::module_& parent) {
            "What a peer needs to reach this region, as bytes for the connector's own channel "
            "(Endpoint.import_region on the other side).")
       .def("slice",
-           [](std::shared_ptr<py_region> r, std::size_t offset, std::size_t length) {
+           [](std::shared_ptr<py_region> r, py::handle offset_arg, py::handle length_arg) {
+             static constexpr const char* who = "ferry.ucx.MemoryRegion.slice";
+             const std::size_t offset = size_arg(offset_arg, who, "offset");
+             const std::size_t length = size_arg(length_arg, who, "length");
              (void)r->region.slice(offset, length);  // checked now: IndexError when outside
              return py_local_slice{std::move(r), offset, length};
            },
@@ -186,7 +225,9 @@ void add_ucx(py::module_& parent) {
            [](py_endpoint& e, py::handle descriptor) {
              std::unique_ptr<held_buffer> hold;
              const ucx::remote_region r =
-                 ucx::remote_region::from_bytes(bytes_of(descriptor, hold, "region descriptor"));
+                 ucx::remote_region::from_bytes(bytes_of(descriptor, hold,
+                                                         "ferry.ucx.Endpoint.import_region",
+                                                         "descriptor"));
              py::gil_scoped_release released;
              return e.endpoint.import(r);
            },
@@ -196,47 +237,55 @@ void add_ucx(py::module_& parent) {
       .def_property_readonly("error",
                              [](const py_endpoint& e) { return error_or_none(e.endpoint.error()); })
       .def("put",
-           [](py_endpoint& e, const py_local_slice& src, const ucx::remote_slice& dst,
-              py::handle timeout, const std::string& completion) {
+           [](py_endpoint& e, py::handle src_arg, py::handle dst_arg, py::handle timeout,
+              py::handle completion) {
+             static constexpr const char* who = "ferry.ucx.Endpoint.put";
+             const py_local_slice& src = local_arg(src_arg, who, "src");
+             const ucx::remote_slice& dst = remote_arg(dst_arg, who, "dst");
+             const auto t = timeout_arg(timeout, who);
+             const ucx::put_completion how = completion_of(completion, who);
              auto keep = keep_for(src);
-             return py_transfer(e.endpoint.put(src.get(), dst, timeout_arg(timeout, "timeout"),
-                                               completion_of(completion)),
-                                std::move(keep));
+             return py_transfer(e.endpoint.put(src.get(), dst, t, how), std::move(keep));
            },
            py::arg("src"), py::arg("dst"), py::arg("timeout") = py::none(),
            py::arg("completion") = "landed",
            "One-sided put; with completion='landed' it ends once the data is in the peer's memory.")
       .def("get",
-           [](py_endpoint& e, const py_local_slice& dst, const ucx::remote_slice& src,
-              py::handle timeout) {
+           [](py_endpoint& e, py::handle dst_arg, py::handle src_arg, py::handle timeout) {
+             static constexpr const char* who = "ferry.ucx.Endpoint.get";
+             const py_local_slice& dst = local_arg(dst_arg, who, "dst");
+             const ucx::remote_slice& src = remote_arg(src_arg, who, "src");
+             const auto t = timeout_arg(timeout, who);
              auto keep = keep_for(dst);
-             return py_transfer(e.endpoint.get(dst.get(), src, timeout_arg(timeout, "timeout")),
-                                std::move(keep));
+             return py_transfer(e.endpoint.get(dst.get(), src, t), std::move(keep));
            },
            py::arg("dst"), py::arg("src"), py::arg("timeout") = py::none())
       .def("put_batch",
-           [](py_endpoint& e, py::handle blocks, py::handle timeout, const std::string& completion) {
+           [](py_endpoint& e, py::handle blocks, py::handle timeout, py::handle completion) {
              return rma_batch(e, blocks, timeout, true, completion);
            },
            py::arg("blocks"), py::arg("timeout") = py::none(), py::arg("completion") = "landed",
            "[(LocalSlice, RemoteSlice), ...] with one deadline; a list of Transfers.")
       .def("get_batch",
            [](py_endpoint& e, py::handle blocks, py::handle timeout) {
-             return rma_batch(e, blocks, timeout, false, "landed");
+             return rma_batch(e, blocks, timeout, false, py::none());
            },
            py::arg("blocks"), py::arg("timeout") = py::none())
       .def("send_notification",
-           [](py_endpoint& e, std::uint64_t value, py::handle timeout) {
-             return py_transfer(e.endpoint.send_notification(value, timeout_arg(timeout, "timeout")));
+           [](py_endpoint& e, py::handle value, py::handle timeout) {
+             static constexpr const char* who = "ferry.ucx.Endpoint.send_notification";
+             const auto v = int_arg<std::uint64_t>(value, who, "value");
+             return py_transfer(e.endpoint.send_notification(v, timeout_arg(timeout, who)));
            },
            py::arg("value"), py::arg("timeout") = py::none(),
            "Sent once every put before it on this endpoint has landed.")
       .def("receive_notification",
            [](py_endpoint& e, py::handle timeout) {
+             const auto deadline = timeout_arg(timeout, "ferry.ucx.Endpoint.receive_notification");
              auto keep = std::make_shared<keep_alive>();
              keep->reports_value = true;
              // The transfer is made first: the keep-alive it writes into is moved afterwards.
-             transfer t = e.endpoint.receive_notification(keep->value, timeout_arg(timeout, "timeout"));
+             transfer t = e.endpoint.receive_notification(keep->value, deadline);
              return py_transfer(std::move(t), std::move(keep));
            },
            py::arg("timeout") = py::none(),
@@ -253,10 +302,9 @@ void add_ucx(py::module_& parent) {
       .def_property_readonly("port", [](const py_listener& l) { return l.listener->port(); })
       .def("accept",
            [](py_listener& l, py::handle timeout) {
+             const auto t = connect_timeout(timeout, "ferry.ucx.Listener.accept");
              auto e = std::make_shared<py_endpoint>();
              e->worker = l.worker;
-             const auto t = timeout.is_none() ? std::chrono::duration<double>(10.0)
-                                              : timeout_arg(timeout, "timeout");
              py::gil_scoped_release released;
              e->endpoint = l.listener->accept(t);
              return e;
@@ -267,25 +315,32 @@ void add_ucx(py::module_& parent) {
 
   py::class_<py_worker, std::shared_ptr<py_worker>>(
       m, "Worker", "A UCX context and worker, progressed by the executor alone.")
-      .def(py::init([](std::shared_ptr<progress_executor> exec, const std::string& transports,
-                       const std::string& devices, bool peer_error_handling, py::handle keepalive,
-                       py::handle settings, py::handle close_timeout) {
-             executor_arg(exec, "ferry.ucx.Worker");
+      .def(py::init([](py::handle executor, py::handle transports, py::handle devices,
+                       py::handle peer_error_handling, py::handle keepalive, py::handle settings,
+                       py::handle close_timeout) {
+             static constexpr const char* who = "ferry.ucx.Worker";
+             std::shared_ptr<progress_executor> exec = executor_arg(executor, who);
              ucx::worker_options o;
-             o.transports = transports;
-             o.devices = devices;
-             o.peer_error_handling = peer_error_handling;
+             o.transports = str_arg(transports, who, "transports");
+             o.devices = str_arg(devices, who, "devices");
+             o.peer_error_handling = bool_arg(peer_error_handling, who, "peer_error_handling");
              if (!keepalive.is_none()) {
                o.keepalive = std::chrono::duration_cast<std::chrono::milliseconds>(
-                   duration_arg(keepalive, "keepalive"));
+                   duration_arg(keepalive, who, "keepalive"));
              }
              if (!close_timeout.is_none()) {
                o.close_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
-                   duration_arg(close_timeout, "close_timeout"));
+                   duration_arg(close_timeout, who, "close_timeout"));
              }
              if (!settings.is_none()) {
+               // {"UCX_NAME": "value"}: a dict of str to str (a list was silently ignored).
+               if (!PyDict_Check(settings.ptr())) {
+                 throw_type_error(who, "settings", "a dict of str to str or None", settings);
+               }
                for (auto item : py::reinterpret_borrow<py::dict>(settings)) {
-                 o.settings.emplace_back(py::str(item.first), py::str(item.second));
+                 const std::string key = str_arg(item.first, who, "a settings key");
+                 const std::string what = "settings['" + key + "']";
+                 o.settings.emplace_back(key, str_arg(item.second, who, what));
                }
              }
              auto w = std::make_shared<py_worker>();
@@ -309,23 +364,26 @@ void add_ucx(py::module_& parent) {
       .def("register_memory",
            [](py_worker& w, py::handle buffer) {
              auto r = std::make_shared<py_region>();
-             r->buffer = std::make_unique<held_buffer>(buffer, true, "memory to register");
+             r->buffer = std::make_unique<held_buffer>(
+                 buffer, true, "ferry.ucx.Worker.register_memory", "buffer");
              r->region = w.worker->register_memory(r->buffer->bytes());
              return r;
            },
            py::arg("buffer"),
            "Registers a writable buffer (held while the region or a transfer using it lives).")
       .def("allocate",
-           [](py_worker& w, std::size_t nbytes) {
+           [](py_worker& w, py::handle nbytes) {
+             const std::size_t n = size_arg(nbytes, "ferry.ucx.Worker.allocate", "nbytes", 1);
              auto r = std::make_shared<py_region>();
-             r->region = w.worker->allocate(nbytes);
+             r->region = w.worker->allocate(n);
              return r;
            },
            py::arg("nbytes"), "Memory UCX allocates (reached directly over shared memory).")
       .def("connect",
            [](std::shared_ptr<py_worker> w, py::handle address) {
              std::unique_ptr<held_buffer> hold;
-             const std::span<const std::byte> a = bytes_of(address, hold, "worker address");
+             const std::span<const std::byte> a =
+                 bytes_of(address, hold, "ferry.ucx.Worker.connect", "address");
              auto e = std::make_shared<py_endpoint>();
              e->worker = w;
              py::gil_scoped_release released;
@@ -334,28 +392,33 @@ void add_ucx(py::module_& parent) {
            },
            py::arg("address"), "An endpoint to the peer whose address() bytes were carried over.")
       .def("connect_to",
-           [](std::shared_ptr<py_worker> w, const std::string& host, std::uint16_t port,
+           [](std::shared_ptr<py_worker> w, py::handle host_arg, py::handle port,
               py::handle expose, py::handle timeout) {
-             const std::vector<ucx::memory_region> regions = regions_of(expose);
-             const auto t = timeout.is_none() ? std::chrono::duration<double>(10.0)
-                                              : timeout_arg(timeout, "timeout");
+             static constexpr const char* who = "ferry.ucx.Worker.connect_to";
+             const std::string host = str_arg(host_arg, who, "host");
+             const std::uint16_t p = port_arg(port, who);
+             const std::vector<ucx::memory_region> regions = regions_of(expose, who);
+             const auto t = connect_timeout(timeout, who);
              auto e = std::make_shared<py_endpoint>();
              e->worker = w;
              py::gil_scoped_release released;
-             e->endpoint = w->worker->connect(host, port, regions, t);
+             e->endpoint = w->worker->connect(host, p, regions, t);
              return e;
            },
            py::arg("host"), py::arg("port"), py::arg("expose") = py::none(),
            py::arg("timeout") = py::none(),
            "Connects to a Listener at host:port, telling the peer the regions in `expose`.")
       .def("listen",
-           [](std::shared_ptr<py_worker> w, const std::string& host, std::uint16_t port,
+           [](std::shared_ptr<py_worker> w, py::handle host_arg, py::handle port,
               py::handle expose) {
-             const std::vector<ucx::memory_region> regions = regions_of(expose);
+             static constexpr const char* who = "ferry.ucx.Worker.listen";
+             const std::string host = str_arg(host_arg, who, "host");
+             const std::uint16_t p = port_arg(port, who);
+             const std::vector<ucx::memory_region> regions = regions_of(expose, who);
              auto l = std::make_shared<py_listener>();
              l->worker = w;
              py::gil_scoped_release released;
-             l->listener.emplace(w->worker->listen(host, port, regions));
+             l->listener.emplace(w->worker->listen(host, p, regions));
              return l;
            },
            py::arg("host"), py::arg("port") = 0, py::arg("expose") = py::none());

@@ -167,6 +167,58 @@ def test_errors_name_what_went_wrong():
         ferry.make_completed_transfer(State.pending)
 
 
+def failed_with(code):
+    return ferry.make_completed_transfer(State.failed, code).error
+
+
+def errc_layers():
+    layers = [Errc, ferry.kv.Errc, ferry.testing.Errc]
+    layers += [ferry.uring.Errc] if ferry.HAS_URING else []
+    layers += [ferry.ucx.Errc] if ferry.HAS_UCX else []
+    return layers
+
+
+def test_an_error_and_its_errc_value_compare_equal_both_ways():
+    e = failed_with(Errc.abandoned)
+    assert e == Errc.abandoned and Errc.abandoned == e
+    assert not (e != Errc.abandoned) and not (Errc.abandoned != e)
+    assert e != Errc.cancelled and Errc.cancelled != e
+    assert not (e == Errc.cancelled) and not (Errc.cancelled == e)
+    assert e in (Errc.cancelled, Errc.abandoned) and e not in (Errc.cancelled, Errc.empty_transfer)
+    assert Errc.abandoned in [e] and Errc.abandoned in {e} and e in {Errc.abandoned}
+    assert hash(e) == hash(Errc.abandoned)
+    assert {e: "x"}[Errc.abandoned] == "x" and {Errc.abandoned: "y"}[e] == "y"
+    # The enums among themselves are as before: equal to their own value only, not to ints.
+    assert Errc.abandoned == Errc.abandoned and Errc.abandoned != Errc.cancelled
+    assert Errc.abandoned != int(Errc.abandoned)
+    for layer in errc_layers():
+        for value in layer.__members__.values():
+            err = failed_with(value)
+            assert value == err and err == value and not (value != err), (layer, value)
+            assert value in (err,) and err in (value,) and value in {err} and err in {value}
+
+
+def test_an_error_never_equals_another_categorys_errc_with_the_same_number():
+    pairs = 0
+    for mine in errc_layers():
+        for theirs in errc_layers():
+            if theirs is mine:
+                continue
+            for v in mine.__members__.values():
+                for w in theirs.__members__.values():
+                    if int(v) != int(w):
+                        continue
+                    pairs += 1
+                    e = failed_with(v)
+                    assert e != w and w != e and not (e == w) and not (w == e), (v, w)
+                    assert e not in (w,) and w not in (e,) and w not in {e} and e not in {w}
+                    assert v != w and w != v
+    assert pairs > 0
+    # An errno error is of the system category: no Errc value equals it either.
+    assert ferry.Error(int(Errc.abandoned)) != Errc.abandoned
+    assert Errc.abandoned != ferry.Error(int(Errc.abandoned))
+
+
 def test_a_batch_is_held_in_cxx_and_every_wait_takes_it():
     ts, cs = manual(3)
     b = ferry.Batch(ts)

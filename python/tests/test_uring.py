@@ -45,6 +45,22 @@ def test_a_read_past_the_end_fails_naming_end_of_file(ring):
         assert dst[:5] == b"short"
 
 
+def test_batched_reads_report_transferred_as_single_reads_do(ring):
+    with tempfile.TemporaryFile() as f:
+        os.write(f.fileno(), b"0123456789")
+        dsts = [bytearray(4), bytearray(4), bytearray(8), bytearray(0)]
+        reads = ring.read_batch(f.fileno(), list(zip(dsts, [0, 4, 6, 0])))
+        assert ferry.drain(reads, HANG).pending == 0
+        assert [t.state for t in reads] == [State.success, State.success, State.failed,
+                                            State.failed]
+        assert [t.transferred for t in reads] == [4, 4, 4, 0]
+        assert reads[2].error == uring.Errc.end_of_file
+        assert reads[3].error == ferry.Errc.empty_buffer
+        assert dsts[0] == b"0123" and dsts[1] == b"4567" and dsts[2][:4] == b"6789"
+        single = ring.read(f.fileno(), bytearray(8), 6)
+        assert single.wait(HANG) == State.failed and single.transferred == reads[2].transferred
+
+
 def test_a_cancelled_pipe_read_ends_cancelled_and_its_buffer_is_released(ring):
     rfd, wfd = os.pipe()
     try:

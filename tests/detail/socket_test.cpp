@@ -42,8 +42,8 @@ struct listener {
 
 int connect_to(const std::string& host, std::uint16_t port) {
   return ferry::detail::for_each_address(
-      host, port, 0, resolve_error, "test", [](int fd, const addrinfo& a) {
-        return ferry::detail::connect_blocking(fd, a.ai_addr, a.ai_addrlen);
+      host, port, 0, resolve_error, "test", [](int fd, const ferry::detail::resolved_address& a) {
+        return ferry::detail::connect_blocking(fd, a.raw(), a.length);
       });
 }
 
@@ -82,7 +82,7 @@ TEST_CASE("socket: a refused connect returns -1 with errno; a bad host throws na
   CHECK(errno == ECONNREFUSED);
   try {
     (void)ferry::detail::for_each_address("no such host .invalid", 1, AI_NUMERICHOST, resolve_error,
-                                          "tester", [](int, const addrinfo&) { return true; });
+                                          "tester", [](int, const ferry::detail::resolved_address&) { return true; });
     FAIL("resolved an impossible host");
   } catch (const std::system_error& e) {
     CHECK(e.code() == resolve_error);
@@ -94,7 +94,7 @@ TEST_CASE("socket: a throwing use closes the socket and passes the exception on"
   int seen = -1;
   CHECK_THROWS_AS(ferry::detail::for_each_address(
                       "127.0.0.1", 1, 0, resolve_error, "test",
-                      [&](int fd, const addrinfo&) -> bool {
+                      [&](int fd, const ferry::detail::resolved_address&) -> bool {
                         seen = fd;
                         throw std::runtime_error("no");
                       }),

@@ -22,6 +22,14 @@ done
 if [ ! -f "$prefix/include/ferry/version.hpp" ]; then
   echo "ferry/version.hpp is not installed" >&2; exit 1
 fi
+# Every ferry header an installed header includes is installed too (a header added to include/ but
+# not to include/meson.build's list breaks only installed consumers).
+missing_headers=$(cd "$prefix/include" && grep -ho '#include "ferry/[^"]*"' -r ferry |
+  sed 's/#include "\(.*\)"/\1/' | sort -u | while read -r h; do [ -f "$h" ] || echo "$h"; done)
+if [ -n "$missing_headers" ]; then
+  echo "installed headers include headers that are not installed (add them to include/meson.build):" >&2
+  echo "$missing_headers" >&2; exit 1
+fi
 source_of() { case $1 in gpu-*) echo gpu.cpp ;; *) echo "$1.cpp" ;; esac; }
 
 # An older standard stops at ferry's own message, not somewhere inside the headers.

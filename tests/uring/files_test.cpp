@@ -107,6 +107,35 @@ TEST_CASE("uring: batched reads and writes give one transfer per block", "[uring
                     Catch::Contains("holds 63 transfers for 64 blocks"));
 }
 
+TEST_CASE("uring: batched reads and writes report each block's byte count, failures included",
+          "[uring]") {
+  FERRY_REQUIRE_URING();
+  temp_dir dir;
+  fd_guard fd(open_file(dir.file("counted")));
+  ferry::progress_executor exec;
+  uring::ring r(exec);
+  const auto data = byte_pattern(3000, 4);
+  std::vector<std::size_t> written(2, 99);
+  const std::vector<uring::write_block> writes{{data, 0, &written[0]},
+                                               {std::span<const std::byte>(), 0, &written[1]}};
+  std::vector<ferry::transfer> wt(2);
+  r.write_batch(fd.get(), writes, wt);
+  REQUIRE(wt[0].wait_for(hang_bound) == transfer_state::success);
+  CHECK(wt[1].error() == ferry::errc::empty_buffer);
+  CHECK(written == std::vector<std::size_t>{3000, 0});
+  // A whole block, one past the end of the file (end_of_file after 1000 bytes), an empty one.
+  std::vector<std::byte> a(1000), b(2000), c;
+  std::vector<std::size_t> read(3, 99);
+  const std::vector<uring::read_block> reads{
+      {a, 0, &read[0]}, {b, 2000, &read[1]}, {c, 0, &read[2]}};
+  std::vector<ferry::transfer> rt(3);
+  r.read_batch(fd.get(), reads, rt);
+  REQUIRE(ferry::drain(rt, hang_bound).verdict != verdict::pending);
+  CHECK(rt[0].state() == transfer_state::success);
+  CHECK(rt[1].error() == uring::errc::end_of_file);
+  CHECK(read == std::vector<std::size_t>{1000, 1000, 0});
+}
+
 TEST_CASE("uring: O_DIRECT reads and writes with aligned buffers", "[uring][concurrency]") {
   FERRY_REQUIRE_URING();
   temp_dir dir;

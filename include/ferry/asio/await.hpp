@@ -119,8 +119,10 @@ struct initiate {
 
 }  // namespace detail::asio_await
 
-// The awaitable is moved into the operation (a task, a when_all) or, for an lvalue, copied (a
-// transfer). A when_all's members must stay valid until the handler runs.
+/// Any ferry awaitable as an Asio operation: the handler gets void(std::exception_ptr, R), R being
+/// what `co_await` on it yields, on its associated executor.
+/// The awaitable is moved into the operation (a task, a when_all) or, for an lvalue, copied (a
+/// transfer). A when_all's members must stay valid until the handler runs.
 template <class Awaitable, class CompletionToken>
 auto async_await(Awaitable&& awaitable, CompletionToken&& token) {
   using value = std::remove_cvref_t<Awaitable>;

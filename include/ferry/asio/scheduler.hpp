@@ -22,18 +22,26 @@
 
 namespace ferry {
 
+/// A ferry scheduler over an Asio executor: coroutines resume inside handlers that `Executor` runs.
+///
+/// Holds the executor by value: an io_context's executor or a strand of it fits in any_scheduler;
+/// an any_io_executor does not, so keep such a scheduler somewhere and return a reference to it.
 template <class Executor = ::asio::any_io_executor>
 class asio_scheduler {
  public:
-  using executor_type = Executor;
+  using executor_type = Executor;  ///< the Asio executor it posts to
 
+  /// A scheduler posting to `ex`.
   explicit asio_scheduler(Executor ex) noexcept(std::is_nothrow_move_constructible_v<Executor>)
       : executor_(std::move(ex)) {}
 
+  /// Posts `h`'s resumption to the executor (asio::post). The process ends if Asio cannot
+  /// allocate the handler.
   void post(std::coroutine_handle<> h) const noexcept {
     ::asio::post(executor_, [h] { h.resume(); });
   }
 
+  /// The executor it posts to.
   [[nodiscard]] const executor_type& get_executor() const noexcept { return executor_; }
 
  private:

@@ -241,9 +241,9 @@ struct initiate_wait {
 
 }  // namespace detail::asio_wait
 
-// The when_all verdict as an Asio operation: failed the moment a member fails, success when the
-// last succeeds, timed_out at the shared deadline (timeout < 0: none; 0: poll_all). The members
-// must stay valid until the handler runs.
+/// The when_all verdict as an Asio operation: failed the moment a member fails, success when the
+/// last succeeds, timed_out at the shared deadline (timeout < 0: none; 0: poll_all). The members
+/// must stay valid until the handler runs.
 template <class Rep, class Period, class CompletionToken>
 auto async_wait_all(std::span<const transfer> members, std::chrono::duration<Rep, Period> timeout,
                     CompletionToken&& token) {
@@ -252,8 +252,8 @@ auto async_wait_all(std::span<const transfer> members, std::chrono::duration<Rep
       detail::make_timeout(timeout), detail::batch_mode::short_circuit);
 }
 
-// The drain verdict as an Asio operation: every member terminal, failures included, or the
-// deadline.
+/// The drain verdict as an Asio operation: every member terminal, failures included, or the
+/// deadline.
 template <class Rep, class Period, class CompletionToken>
 auto async_drain(std::span<const transfer> members, std::chrono::duration<Rep, Period> timeout,
                  CompletionToken&& token) {
@@ -262,8 +262,8 @@ auto async_drain(std::span<const transfer> members, std::chrono::duration<Rep, P
       detail::make_timeout(timeout), detail::batch_mode::drain);
 }
 
-// One transfer's terminal state as an Asio operation (pending if the deadline passes first). The
-// operation holds its own handle on the transfer.
+/// One transfer's terminal state as an Asio operation (pending if the deadline passes first). The
+/// operation holds its own handle on the transfer.
 template <class Rep, class Period, class CompletionToken>
 auto async_wait(transfer t, std::chrono::duration<Rep, Period> timeout, CompletionToken&& token) {
   return ::asio::async_initiate<CompletionToken, detail::asio_wait::transfer_signature>(
@@ -271,6 +271,7 @@ auto async_wait(transfer t, std::chrono::duration<Rep, Period> timeout, Completi
       detail::make_timeout(timeout), detail::batch_mode::short_circuit);
 }
 
+/// async_wait without a deadline: completes when the transfer is terminal.
 template <class CompletionToken>
 auto async_wait(transfer t, CompletionToken&& token) {
   return async_wait(std::move(t), std::chrono::nanoseconds(-1),

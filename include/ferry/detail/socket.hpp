@@ -5,9 +5,11 @@
 
 #include <cerrno>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <system_error>
+#include <vector>
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -70,14 +72,26 @@ inline void set_nodelay(int fd) noexcept {
   return err == 0;
 }
 
-// Resolves host:port (numeric or by name; `flags` are getaddrinfo's) and calls `use(fd, addrinfo)`
-// on a new stream socket for each result until it returns true; that socket is returned, else -1
-// with errno set (by `use`, or by socket()). A failed resolution throws std::system_error with
-// `resolve_error` and a message starting with `who`. If `use` throws, the socket and the results are
-// released.
-template <class Use>
-int for_each_address(const std::string& host, std::uint16_t port, int flags,
-                     std::error_code resolve_error, const char* who, Use use) {
+// One result of resolving a host and port: what socket() and connect() or bind() take.
+struct resolved_address {
+  sockaddr_storage address{};
+  socklen_t length = 0;
+  int family = 0;
+  int type = 0;
+  int protocol = 0;
+
+  [[nodiscard]] const sockaddr* raw() const noexcept {
+    return reinterpret_cast<const sockaddr*>(&address);
+  }
+};
+
+// Resolves host:port (numeric or by name; `flags` are getaddrinfo's) into stream-socket addresses,
+// in getaddrinfo's order. A failed resolution throws std::system_error with `resolve_error` and a
+// message starting with `who`. A name (not a numeric address) may block while it is looked up.
+[[nodiscard]] inline std::vector<resolved_address> resolve(const std::string& host,
+                                                           std::uint16_t port, int flags,
+                                                           std::error_code resolve_error,
+                                                           const char* who) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -90,16 +104,41 @@ int for_each_address(const std::string& host, std::uint16_t port, int flags,
                                 ::gai_strerror(rc));
   }
   const std::unique_ptr<addrinfo, void (*)(addrinfo*)> results(found, ::freeaddrinfo);
+  std::vector<resolved_address> out;
+  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    if (a->ai_addrlen > sizeof(sockaddr_storage)) continue;
+    resolved_address r;
+    std::memcpy(&r.address, a->ai_addr, a->ai_addrlen);
+    r.length = a->ai_addrlen;
+    r.family = a->ai_family;
+    r.type = a->ai_socktype;
+    r.protocol = a->ai_protocol;
+    out.push_back(r);
+  }
+  return out;
+}
+
+// A new stream socket for `a` (close-on-exec), or -1 with errno set.
+[[nodiscard]] inline int open_socket(const resolved_address& a) noexcept {
+  return ::socket(a.family, a.type | SOCK_CLOEXEC, a.protocol);
+}
+
+// Resolves host:port (resolve()) and calls `use(fd, address)` on a new stream socket for each
+// result until it returns true; that socket is returned, else -1 with errno set (by `use`, or by
+// socket()). If `use` throws, the socket is closed.
+template <class Use>
+int for_each_address(const std::string& host, std::uint16_t port, int flags,
+                     std::error_code resolve_error, const char* who, Use use) {
   int err = EADDRNOTAVAIL;
-  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
-    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+  for (const resolved_address& a : resolve(host, port, flags, resolve_error, who)) {
+    const int fd = open_socket(a);
     if (fd < 0) {
       err = errno;
       continue;
     }
     bool used = false;
     try {
-      used = use(fd, *a);
+      used = use(fd, a);
     } catch (...) {
       ::close(fd);
       throw;

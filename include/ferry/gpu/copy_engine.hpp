@@ -64,29 +64,33 @@ class runtime_category_impl final : public std::error_category {
 
 }  // namespace detail
 
+/// The category of runtime `R`'s error codes, named by the runtime ("hipErrorInvalidValue: ...").
 template <class R>
 [[nodiscard]] const std::error_category& runtime_category() noexcept {
   static const detail::runtime_category_impl<R> category;
   return category;
 }
 
+/// Runtime `R`'s error code `e` as a std::error_code in runtime_category<R>().
 template <class R>
 [[nodiscard]] std::error_code make_runtime_error(int e) noexcept {
   return {e, runtime_category<R>()};
 }
 
+/// What a copy engine is made with (basic_copy_engine's constructor).
 struct copy_engine_options {
-  int device = 0;          // the GPU whose streams carry the copies
-  unsigned streams = 4;    // copies are spread over them round-robin, or placed with copy_on
-  unsigned events = 256;   // events made up front; more are made when they run out
+  int device = 0;          ///< the GPU whose streams carry the copies
+  unsigned streams = 4;    ///< copies are spread over them round-robin, or placed with copy_on
+  unsigned events = 256;   ///< events made up front; more are made when they run out
 };
 
-// submitted == completed + failed + outstanding.
+/// What a copy engine has done so far (basic_copy_engine::counters()).
+/// submitted == completed + failed + outstanding.
 struct copy_engine_counters {
-  std::uint64_t submitted = 0;
-  std::uint64_t completed = 0;
-  std::uint64_t failed = 0;  // refused at submission, or failed on the GPU
-  std::uint64_t event_queries = 0;
+  std::uint64_t submitted = 0;  ///< copies asked for
+  std::uint64_t completed = 0;  ///< copies that succeeded
+  std::uint64_t failed = 0;  ///< refused at submission, or failed on the GPU
+  std::uint64_t event_queries = 0;  ///< event queries the executor made
 };
 
 namespace detail {
@@ -113,11 +117,19 @@ class device_scope {
 
 }  // namespace detail
 
+/// The GPU copy backend over runtime `R`: copies as transfers whose events the executor polls.
+///
+/// `R` is hip_runtime, cuda_runtime (ferry::gpu::copy_engine picks this build's) or
+/// fake::runtime in tests. Copies on one stream complete in order; the destructor waits for every
+/// copy still on the GPU.
 template <class R>
 class basic_copy_engine {
  public:
-  using runtime = R;
+  using runtime = R;  ///< the GPU runtime the engine calls
 
+  /// Makes the streams and events on `options.device` and registers with `exec`, which must
+  /// outlive the engine. Throws std::invalid_argument for zero streams, std::system_error naming
+  /// the runtime call that failed.
   basic_copy_engine(progress_executor& exec, copy_engine_options options = {})
       : exec_(exec), options_(options) {
     if (options_.streams == 0) {
@@ -146,8 +158,8 @@ class basic_copy_engine {
   basic_copy_engine(const basic_copy_engine&) = delete;
   basic_copy_engine& operator=(const basic_copy_engine&) = delete;
 
-  // Waits for every copy still on the GPU (its memory may not be freed before), completes its
-  // transfer, and releases the streams and events.
+  /// Waits for every copy still on the GPU (its memory may not be freed before), completes its
+  /// transfer, and releases the streams and events.
   ~basic_copy_engine() {
     // A continuation resumed below may submit again: that is refused from here on.
     shutting_down_.store(true, std::memory_order_relaxed);
@@ -168,13 +180,13 @@ class basic_copy_engine {
     destroy_runtime_objects();
   }
 
-  // Copies `bytes` from `src` to `dst` on the next stream in turn.
+  /// Copies `bytes` from `src` to `dst` on the next stream in turn.
   [[nodiscard]] transfer copy(void* dst, const void* src, std::size_t bytes, copy_kind kind) {
     const unsigned s = next_lane_.fetch_add(1, std::memory_order_relaxed) % options_.streams;
     return copy_on(s, dst, src, bytes, kind);
   }
 
-  // The same on stream `stream` (0 .. streams - 1): copies on one stream complete in order.
+  /// The same on stream `stream` (0 .. streams - 1): copies on one stream complete in order.
   [[nodiscard]] transfer copy_on(unsigned stream, void* dst, const void* src, std::size_t bytes,
                                  copy_kind kind) {
     if (stream >= options_.streams) {
@@ -242,14 +254,18 @@ class basic_copy_engine {
     return t;
   }
 
+  /// How many streams the copies are spread over.
   [[nodiscard]] unsigned streams() const noexcept { return options_.streams; }
+  /// The runtime's handle of stream `i` (0 .. streams() - 1); the engine owns it.
   [[nodiscard]] typename R::stream_handle native_stream(unsigned i) const noexcept {
     return lanes_[i].stream;
   }
+  /// Copies submitted whose transfers have not ended yet.
   [[nodiscard]] std::int64_t outstanding() const noexcept {
     return outstanding_.load(std::memory_order_acquire);
   }
 
+  /// What the engine has done so far; any thread.
   [[nodiscard]] copy_engine_counters counters() const noexcept {
     copy_engine_counters c;
     c.submitted = submitted_.load(std::memory_order_relaxed);
@@ -261,6 +277,8 @@ class basic_copy_engine {
 
   // --- The executor's side. ---
 
+  /// Queries the streams' oldest events and completes up to `budget` copies; returns how many
+  /// (completion_source). Called by the executor only.
   std::size_t poll(std::size_t budget) noexcept {
     if (outstanding_.load(std::memory_order_acquire) == 0) return 0;
     const detail::device_scope<R> on(options_.device);
@@ -296,7 +314,8 @@ class basic_copy_engine {
     return handled;
   }
 
-  // Events cannot wake a sleeping thread: while copies are outstanding the executor keeps looking.
+  /// True while copies are outstanding, so that the executor does not park (busy_source).
+  /// Events cannot wake a sleeping thread: while copies are outstanding the executor keeps looking.
   [[nodiscard]] bool busy() const noexcept {
     return outstanding_.load(std::memory_order_acquire) != 0;
   }

@@ -3,11 +3,12 @@
 
 namespace ferry::gpu {
 
+/// Which memories a GPU copy moves between (basic_copy_engine::copy).
 enum class copy_kind {
-  device_to_device,  // within one GPU
-  peer,              // between two GPUs (unified addressing finds them)
-  host_to_device,
-  device_to_host,
+  device_to_device,  ///< within one GPU
+  peer,              ///< between two GPUs (unified addressing finds them)
+  host_to_device,    ///< from host memory (pinned, for a truly asynchronous copy) to a GPU
+  device_to_host,    ///< from a GPU to host memory
 };
 
 }  // namespace ferry::gpu

@@ -17,55 +17,82 @@
 
 namespace ferry::gpu {
 
+/// The GPU runtime calls of the copy backend, forwarded to the HIP runtime (AMD GPUs).
+/// Static functions returning the runtime's error code as an int (success, not_ready, or an error).
 struct hip_runtime {
+  /// The runtime's stream.
   using stream_handle = hipStream_t;
+  /// The runtime's event.
   using event_handle = hipEvent_t;
 
+  /// The code of a call that succeeded.
   static constexpr int success = hipSuccess;
+  /// What event_query returns while the work before the event is unfinished.
   static constexpr int not_ready = hipErrorNotReady;
 
+  /// The runtime's name, "hip".
   [[nodiscard]] static const char* name() noexcept { return "hip"; }
+  /// The name of error code `e` (the runtime's static string).
   [[nodiscard]] static const char* error_name(int e) noexcept {
     return ::hipGetErrorName(static_cast<hipError_t>(e));
   }
+  /// The runtime's description of error code `e`.
   [[nodiscard]] static const char* error_string(int e) noexcept {
     return ::hipGetErrorString(static_cast<hipError_t>(e));
   }
 
+  /// Sets `n` to the number of GPUs visible.
   static int device_count(int& n) noexcept { return ::hipGetDeviceCount(&n); }
-  // The current device is per thread.
+  /// Sets `d` to the calling thread's current device.
+  /// The current device is per thread.
   static int get_device(int& d) noexcept { return ::hipGetDevice(&d); }
+  /// Makes GPU `d` the calling thread's current device.
   static int set_device(int d) noexcept { return ::hipSetDevice(d); }
+  /// Lets the current device reach GPU `peer`'s memory (for peer copies).
   static int enable_peer_access(int peer) noexcept { return ::hipDeviceEnablePeerAccess(peer, 0); }
 
-  // Non-blocking streams: they never wait on the legacy default stream.
+  /// Makes a stream into `s`.
+  /// Non-blocking streams: they never wait on the legacy default stream.
   static int stream_create(stream_handle& s) noexcept {
     return ::hipStreamCreateWithFlags(&s, hipStreamNonBlocking);
   }
+  /// Destroys a stream (after its work has finished).
   static int stream_destroy(stream_handle s) noexcept { return ::hipStreamDestroy(s); }
+  /// Blocks until everything enqueued on the stream has finished.
   static int stream_synchronize(stream_handle s) noexcept { return ::hipStreamSynchronize(s); }
 
-  // Events without timing: recording and querying them is cheapest.
+  /// Makes an event into `e`.
+  /// Events without timing: recording and querying them is cheapest.
   static int event_create(event_handle& e) noexcept {
     return ::hipEventCreateWithFlags(&e, hipEventDisableTiming);
   }
+  /// Destroys an event.
   static int event_destroy(event_handle e) noexcept { return ::hipEventDestroy(e); }
+  /// Records `e` on `s`: it becomes ready when the work enqueued before it has finished.
   static int event_record(event_handle e, stream_handle s) noexcept { return ::hipEventRecord(e, s); }
-  // success, not_ready, or the error the work before the event hit.
+  /// Whether the event is ready: success, not_ready, or the error the work before the event hit.
   static int event_query(event_handle e) noexcept { return ::hipEventQuery(e); }
+  /// Blocks until the event is ready.
   static int event_synchronize(event_handle e) noexcept { return ::hipEventSynchronize(e); }
 
+  /// Enqueues a copy of `n` bytes from `src` to `dst` on stream `s`.
   static int memcpy_async(void* dst, const void* src, std::size_t n, copy_kind kind,
                           stream_handle s) noexcept {
     return ::hipMemcpyAsync(dst, src, n, native(kind), s);
   }
 
-  // For tests and benchmarks.
+  /// Allocates `n` bytes of device memory into `*p`.
+  /// For tests and benchmarks.
   static int malloc_device(void** p, std::size_t n) noexcept { return ::hipMalloc(p, n); }
+  /// Frees device memory from malloc_device.
   static int free_device(void* p) noexcept { return ::hipFree(p); }
+  /// Allocates `n` bytes of pinned host memory into `*p`.
   static int malloc_host(void** p, std::size_t n) noexcept { return ::hipHostMalloc(p, n, 0); }
+  /// Frees pinned host memory from malloc_host.
   static int free_host(void* p) noexcept { return ::hipHostFree(p); }
+  /// Sets `n` bytes of device memory to `value`.
   static int memset_device(void* p, int value, std::size_t n) noexcept { return ::hipMemset(p, value, n); }
+  /// Blocks until everything on the current device has finished.
   static int device_synchronize() noexcept { return ::hipDeviceSynchronize(); }
 
  private:

@@ -44,12 +44,20 @@
 
 namespace ferry::kv {
 
+/// The engine's number for a request; unique among the requests tracked at once.
 using request_id = std::uint64_t;
+/// A destination block of the KV cache, in the engine's numbering.
 using block_id = std::uint64_t;
+/// The clock requests' ages and deadlines are measured on.
 using clock = std::chrono::steady_clock;
 
+/// A request's verdict: `pending` while unsealed or while transfers are pending within its
+/// abort_timeout; `success` when every transfer succeeded; `failed` when any failed (a failure
+/// wins, and a request sealed with none is failed, kv::errc::empty_request); `timed_out` when it is
+/// older than its abort_timeout with transfers pending and none failed.
 enum class request_verdict { pending, success, failed, timed_out };
 
+/// The verdict's name ("pending", "success", "failed", "timed_out"); "invalid" otherwise.
 [[nodiscard]] constexpr const char* to_string(request_verdict v) noexcept {
   switch (v) {
     case request_verdict::pending: return "pending";
@@ -60,23 +68,26 @@ enum class request_verdict { pending, success, failed, timed_out };
   return "invalid";
 }
 
+/// How one request is tracked (load_tracker::add_request).
 struct request_options {
-  // Attention plus recurrent state (mamba, KDA, ...): a failed load cannot be repaired by
-  // recomputing a prefix, so it raises transfer_error rather than reporting blocks.
+  /// Attention plus recurrent state (mamba, KDA, ...): a failed load cannot be repaired by
+  /// recomputing a prefix, so it raises transfer_error rather than reporting blocks.
   bool hybrid = false;
-  // A request whose age is strictly greater than this, with transfers still pending and none
-  // failed, has timed out. take_finished then asks the backend to cancel its pending transfers
-  // (load_tracker's cancel function), so that they end and the request can be let go of.
+  /// A request whose age is strictly greater than this, with transfers still pending and none
+  /// failed, has timed out. take_finished then asks the backend to cancel its pending transfers
+  /// (load_tracker's cancel function), so that they end and the request can be let go of.
   std::chrono::nanoseconds abort_timeout = std::chrono::seconds(60);
-  // How long post() and post_async() retry a backend whose submission queue is full before the
-  // transfer fails with errc::submission_queue_full (never past the request's abort_timeout). The
-  // blocking post() holds the engine thread that long at most.
+  /// How long post() and post_async() retry a backend whose submission queue is full before the
+  /// transfer fails with errc::submission_queue_full (never past the request's abort_timeout). The
+  /// blocking post() holds the engine thread that long at most.
   std::chrono::nanoseconds admission_timeout = std::chrono::milliseconds(10);
 };
 
-// A hybrid request's load failed or timed out. Nothing was changed when it was raised.
+/// A hybrid request's load failed or timed out. Nothing was changed when it was raised.
 class transfer_error : public std::runtime_error {
  public:
+  /// The error for `request`'s transfer `member` (on `layer`), which failed with `error` or, with
+  /// `timed_out`, was still pending at the request's deadline; what() says which.
   transfer_error(request_id request, std::size_t member, std::size_t layer, std::error_code error,
                  bool timed_out)
       : std::runtime_error(describe(request, member, layer, error, timed_out)),
@@ -86,12 +97,16 @@ class transfer_error : public std::runtime_error {
         error_(error),
         timed_out_(timed_out) {}
 
+  /// The hybrid request whose load failed or timed out.
   [[nodiscard]] request_id request() const noexcept { return request_; }
-  // The failing transfer: its position among the request's transfers (in the order they were
-  // added) and its layer. For a timeout, the first transfer still pending.
+  /// The failing transfer: its position among the request's transfers (in the order they were
+  /// added) and its layer. For a timeout, the first transfer still pending.
   [[nodiscard]] std::size_t member() const noexcept { return member_; }
+  /// The failing transfer's layer.
   [[nodiscard]] std::size_t layer() const noexcept { return layer_; }
+  /// The failing transfer's error (empty for a timeout).
   [[nodiscard]] std::error_code error() const noexcept { return error_; }
+  /// True when the request timed out rather than failed.
   [[nodiscard]] bool timed_out() const noexcept { return timed_out_; }
 
  private:
@@ -115,29 +130,37 @@ class transfer_error : public std::runtime_error {
   bool timed_out_;
 };
 
-// A request the tracker has let go of: every one of its transfers was terminal.
+/// A request the tracker has let go of: every one of its transfers was terminal.
 struct finished_request {
-  request_id id = 0;
-  request_verdict verdict = request_verdict::pending;
-  std::optional<std::size_t> first_failed;  // the member whose failure came first in time
-  std::error_code error;
-  bool aborted = false;
+  request_id id = 0;  ///< the request
+  request_verdict verdict = request_verdict::pending;  ///< success, failed or timed_out
+  std::optional<std::size_t> first_failed;  ///< the member whose failure came first in time
+  std::error_code error;  ///< that member's error
+  bool aborted = false;  ///< true when the engine aborted it (abort_request)
 };
 
+/// The decode side of a disaggregated server: tracks every request's KV-cache transfers, per
+/// layer, and answers the engine without ever driving progress.
+///
+/// Is a request done (verdict), wait for a layer across the step (wait_layer, when_layer), which
+/// requests finished so their producer may free its blocks (take_finished, firing release once
+/// each), which destination blocks failed and must be recomputed (drain_failed_blocks). One engine
+/// thread calls it; it takes no lock of its own.
 class load_tracker {
  public:
-  // release(id, verdict) tells the producer that request `id` no longer needs its source blocks. It is
-  // called from take_finished, exactly once per request, when every transfer of the request is
-  // terminal.
+  /// release(id, verdict) tells the producer that request `id` no longer needs its source blocks. It is
+  /// called from take_finished, exactly once per request, when every transfer of the request is
+  /// terminal.
   using release_fn = std::function<void(request_id, request_verdict)>;
-  // cancel(t) asks the backend that made `t` to end it (best effort: ring::cancel, a queue pair's
-  // close, ...): called once for each transfer still pending when its request has timed out or is
-  // aborted. Without one, such transfers end only when their backend ends them.
+  /// cancel(t) asks the backend that made `t` to end it (best effort: ring::cancel, a queue pair's
+  /// close, ...): called once for each transfer still pending when its request has timed out or is
+  /// aborted. Without one, such transfers end only when their backend ends them.
   using cancel_fn = std::function<void(const transfer&)>;
 
-  // A request being registered, as returned by add_request.
+  /// A request being registered, as returned by add_request.
   class request_handle {
    public:
+    /// The request's id.
     [[nodiscard]] request_id id() const noexcept { return id_; }
 
    private:
@@ -149,24 +172,26 @@ class load_tracker {
     std::uint64_t generation_;  // a handle of a finished request never names a later one
   };
 
-  // Layers are numbered from 0 up to this (a model has tens to hundreds).
+  /// Layers are numbered from 0 up to this (a model has tens to hundreds).
   static constexpr std::size_t max_layers = std::size_t{1} << 20;
 
+  /// A tracker that tells the producer through `release` and ends abandoned transfers through
+  /// `cancel` (either may be empty).
   explicit load_tracker(release_fn release = {}, cancel_fn cancel = {})
       : release_(std::move(release)), cancel_(std::move(cancel)) {}
 
   // --- Registration ---
 
-  // Starts a step: layer waits and drain_step cover the transfers added from here on. The previous
-  // step's layer lists stay untouched until the step after this one begins, so a wait on them that
-  // is still finishing sees what it was given; every wait must end within that.
+  /// Starts a step: layer waits and drain_step cover the transfers added from here on. The previous
+  /// step's layer lists stay untouched until the step after this one begins, so a wait on them that
+  /// is still finishing sees what it was given; every wait must end within that.
   void begin_step() {
     not_from_submit("begin_step");
     std::swap(step_layers_, previous_layers_);
     for (auto& layer : step_layers_) layer.clear();
   }
 
-  // Starts tracking a request; its age counts from `created`.
+  /// Starts tracking a request; its age counts from `created`.
   request_handle add_request(request_id id, request_options options = {},
                              clock::time_point created = clock::now()) {
     not_from_submit("add_request");
@@ -205,21 +230,21 @@ class load_tracker {
     return request_handle(id, slot, r.generation);
   }
 
-  // Registers one transfer of the request: its layer and the destination blocks it writes. If it
-  // throws (a bad layer, no memory), nothing was registered.
+  /// Registers one transfer of the request: its layer and the destination blocks it writes. If it
+  /// throws (a bad layer, no memory), nothing was registered.
   void add(request_handle h, std::size_t layer, transfer t, std::span<const block_id> destination) {
     request_entry& r = make_room(h, layer, destination.size(), "add");
     commit(r, layer, std::move(t), destination);
   }
 
-  // Posts through `submit` and registers the result. `submit()` returns a transfer, or nullopt when
-  // the backend's submission queue is full; then it is retried with exponential backoff, the
-  // calling thread sleeping through the pauses, until the request's admission deadline (now +
-  // admission_timeout, and never past created + abort_timeout), after which an already-failed
-  // transfer (errc::submission_queue_full) is registered and takes the ordinary failure path. The
-  // room for the transfer is made before `submit` runs, so `submit` must not call back into the
-  // tracker (such a call fails with std::logic_error). An engine thread with a scheduler awaits
-  // post_async instead, which never sleeps.
+  /// Posts through `submit` and registers the result. `submit()` returns a transfer, or nullopt when
+  /// the backend's submission queue is full; then it is retried with exponential backoff, the
+  /// calling thread sleeping through the pauses, until the request's admission deadline (now +
+  /// admission_timeout, and never past created + abort_timeout), after which an already-failed
+  /// transfer (errc::submission_queue_full) is registered and takes the ordinary failure path. The
+  /// room for the transfer is made before `submit` runs, so `submit` must not call back into the
+  /// tracker (such a call fails with std::logic_error). An engine thread with a scheduler awaits
+  /// post_async instead, which never sleeps.
   template <class Submit>
   void post(request_handle h, std::size_t layer, std::span<const block_id> destination,
             Submit&& submit) {
@@ -234,11 +259,12 @@ class load_tracker {
     commit(r, layer, std::move(t), destination);
   }
 
-  // co_await tracker.post_async(h, layer, destination, submit): the same, awaited. Between tries it
-  // pauses on a timer and goes on on the awaiting coroutine's scheduler, so the engine thread runs
-  // other work meanwhile. Room is made before each try, and what a try submits is registered before
-  // anything else runs; seal the request only once every post_async on it has ended. `destination`
-  // is copied: the task may outlive the caller's span.
+  /// post() as a task, for an engine thread with a scheduler: it never sleeps the thread.
+  /// co_await tracker.post_async(h, layer, destination, submit): the same, awaited. Between tries it
+  /// pauses on a timer and goes on on the awaiting coroutine's scheduler, so the engine thread runs
+  /// other work meanwhile. Room is made before each try, and what a try submits is registered before
+  /// anything else runs; seal the request only once every post_async on it has ended. `destination`
+  /// is copied: the task may outlive the caller's span.
   template <class Submit>
   [[nodiscard]] task<void> post_async(request_handle h, std::size_t layer,
                                       std::vector<block_id> destination, Submit submit) {
@@ -268,15 +294,15 @@ class load_tracker {
     }
   }
 
-  // Every transfer of the request has been added: only now can it be done.
+  /// Every transfer of the request has been added: only now can it be done.
   void seal(request_handle h) {
     not_from_submit("seal");
     entry(h, "seal").sealed = true;
   }
 
-  // The engine gives up on the request (after a transfer_error, for one): it no longer raises, its
-  // blocks are not reported, and it is released once every transfer is terminal.
-  // Its pending transfers are cancelled through the cancel function, if the tracker has one.
+  /// The engine gives up on the request (after a transfer_error, for one): it no longer raises, its
+  /// blocks are not reported, and it is released once every transfer is terminal.
+  /// Its pending transfers are cancelled through the cancel function, if the tracker has one.
   void abort_request(request_id id) {
     not_from_submit("abort_request");
     request_entry& r = requests_[lookup(id, "abort_request")];
@@ -287,8 +313,9 @@ class load_tracker {
 
   // --- Questions ---
 
-  // Never blocks, never drives progress, changes nothing. Unsealed: pending. Raises transfer_error for
-  // a hybrid request that failed or timed out (unless aborted).
+  /// The request's verdict at `now`; throws std::out_of_range for an id not tracked.
+  /// Never blocks, never drives progress, changes nothing. Unsealed: pending. Raises transfer_error for
+  /// a hybrid request that failed or timed out (unless aborted).
   [[nodiscard]] request_verdict verdict(request_id id, clock::time_point now = clock::now()) const {
     const request_entry& r = requests_[lookup(id, "verdict")];
     const assessment a = assess(r, now);
@@ -296,30 +323,31 @@ class load_tracker {
     return a.verdict;
   }
 
-  // The step's transfers of `layer`, across every request (empty if none).
+  /// The step's transfers of `layer`, across every request (empty if none).
   [[nodiscard]] std::span<const transfer> layer_transfers(std::size_t layer) const noexcept {
     if (layer >= step_layers_.size()) return {};
     return step_layers_[layer];
   }
 
-  // Blocks until the layer's verdict (failed as soon as any member fails), or the deadline.
+  /// Blocks until the layer's verdict (failed as soon as any member fails), or the deadline.
   template <class Rep, class Period>
   [[nodiscard]] batch_result wait_layer(std::size_t layer,
                                         std::chrono::duration<Rep, Period> timeout) const {
     return wait_all(layer_transfers(layer), timeout);
   }
 
-  // co_await tracker.when_layer(L, deadline): the same, on the awaiting coroutine's scheduler. Add
-  // nothing to the layer while it is awaited, and let the wait end before the step after the next
-  // one begins (see begin_step).
+  /// wait_layer, awaited: the layer's verdict without blocking the engine thread.
+  /// co_await tracker.when_layer(L, deadline): the same, on the awaiting coroutine's scheduler. Add
+  /// nothing to the layer while it is awaited, and let the wait end before the step after the next
+  /// one begins (see begin_step).
   template <class Rep, class Period>
   [[nodiscard]] when_all_awaitable when_layer(std::size_t layer,
                                               std::chrono::duration<Rep, Period> timeout) const {
     return when_all(layer_transfers(layer), timeout);
   }
 
-  // The step barrier: waits until every transfer added in this step is terminal, failures
-  // included, or the one deadline passes (for engines that cannot wait inside a captured graph).
+  /// The step barrier: waits until every transfer added in this step is terminal, failures
+  /// included, or the one deadline passes (for engines that cannot wait inside a captured graph).
   template <class Rep, class Period>
   [[nodiscard]] batch_result drain_step(std::chrono::duration<Rep, Period> timeout) const {
     const detail::timeout t = detail::make_timeout(timeout);
@@ -351,10 +379,10 @@ class load_tracker {
     return total;
   }
 
-  // Hands back every sealed request whose transfers are all terminal, firing its release exactly
-  // once, and stops tracking it. Raises transfer_error, changing nothing, if a hybrid request has
-  // failed or timed out and has not been aborted. If a release throws, the others are still sent and
-  // the exception propagates; the next call hands back the requests this one let go of.
+  /// Hands back every sealed request whose transfers are all terminal, firing its release exactly
+  /// once, and stops tracking it. Raises transfer_error, changing nothing, if a hybrid request has
+  /// failed or timed out and has not been aborted. If a release throws, the others are still sent and
+  /// the exception propagates; the next call hands back the requests this one let go of.
   [[nodiscard]] std::vector<finished_request> take_finished(clock::time_point now = clock::now()) {
     not_from_submit("take_finished");
     // First look at everything, so that a raise leaves the tracker exactly as it was.
@@ -411,10 +439,10 @@ class load_tracker {
     return out;
   }
 
-  // Destination blocks whose load failed (or was cancelled), each reported once, and only once no
-  // transfer of the request writes them any more: the request is sealed (until then another
-  // transfer may still be added for the block) and every transfer writing the block is terminal.
-  // Hybrid and aborted requests report none.
+  /// Destination blocks whose load failed (or was cancelled), each reported once, and only once no
+  /// transfer of the request writes them any more: the request is sealed (until then another
+  /// transfer may still be added for the block) and every transfer writing the block is terminal.
+  /// Hybrid and aborted requests report none.
   [[nodiscard]] std::vector<block_id> drain_failed_blocks() {
     not_from_submit("drain_failed_blocks");
     std::vector<block_id> out = std::move(unclaimed_blocks_);
@@ -425,7 +453,9 @@ class load_tracker {
     return out;
   }
 
+  /// How many requests the tracker holds (added, not yet handed back by take_finished).
   [[nodiscard]] std::size_t tracked() const noexcept { return index_.size(); }
+  /// True while request `id` is tracked.
   [[nodiscard]] bool tracks(request_id id) const noexcept { return index_.contains(id); }
 
  private:

@@ -29,18 +29,22 @@
 
 namespace ferry::kv {
 
+/// The producer's number for one posted transfer (whose source blocks the ledger frees).
 using transfer_id = std::uint64_t;
+/// A consumer (decode rank) that acknowledges transfers.
 using rank_id = std::uint32_t;
 
+/// What release_ledger::acknowledge made of one acknowledgement.
 enum class ack_result {
-  counted,      // recorded; more acknowledgements are expected
-  freed,        // this acknowledgement completed the fan-in: the blocks were freed
-  duplicate,    // this rank had already acknowledged this transfer
-  stale,        // the transfer was already freed (a late or repeated acknowledgement)
-  early,        // the transfer is not known yet: kept until expect()
-  early_dropped // as `early`, but the early buffer was full and its oldest entry was dropped
+  counted,      ///< recorded; more acknowledgements are expected
+  freed,        ///< this acknowledgement completed the fan-in: the blocks were freed
+  duplicate,    ///< this rank had already acknowledged this transfer
+  stale,        ///< the transfer was already freed (a late or repeated acknowledgement)
+  early,        ///< the transfer is not known yet: kept until expect()
+  early_dropped ///< as `early`, but the early buffer was full and its oldest entry was dropped
 };
 
+/// The result's name ("counted", "freed", ...); "invalid" otherwise.
 [[nodiscard]] constexpr const char* to_string(ack_result r) noexcept {
   switch (r) {
     case ack_result::counted: return "counted";
@@ -53,15 +57,24 @@ enum class ack_result {
   return "invalid";
 }
 
+/// How much a release_ledger remembers; both at least 1.
 struct ledger_options {
-  std::size_t early_capacity = 4096;      // transfers with acknowledgements held before expect()
-  std::size_t finished_capacity = 65536;  // freed transfer ids remembered to recognise late acks
+  std::size_t early_capacity = 4096;      ///< transfers with acknowledgements held before expect()
+  std::size_t finished_capacity = 65536;  ///< freed transfer ids remembered to recognise late acks
 };
 
+/// The prefill side: frees each transfer's source blocks exactly once, when every consumer that
+/// reads them has acknowledged.
+///
+/// Duplicate, late and early acknowledgements are handled (see ack_result). Thread-safe; the free
+/// callback runs outside the lock, on the thread whose call completed the fan-in.
 class release_ledger {
  public:
+  /// free(id) releases transfer `id`'s source blocks; called exactly once per transfer.
   using free_fn = std::function<void(transfer_id)>;
 
+  /// A ledger that frees through `free_blocks`. Throws std::invalid_argument for an empty callback
+  /// or a zero capacity.
   explicit release_ledger(free_fn free_blocks, ledger_options options = {})
       : free_(std::move(free_blocks)), options_(options) {
     if (!free_) throw std::invalid_argument("ferry::kv::release_ledger: free callback is empty");
@@ -74,8 +87,9 @@ class release_ledger {
   release_ledger(const release_ledger&) = delete;
   release_ledger& operator=(const release_ledger&) = delete;
 
-  // The producer posted transfer `id`, read by `consumers` ranks. Acknowledgements that arrived
-  // early count now (and may free it at once: the return value says whether it did).
+  /// The producer posted transfer `id`, read by `consumers` ranks. Acknowledgements that arrived
+  /// early count now (and may free it at once: the return value says whether it did).
+  /// Throws std::invalid_argument for zero consumers, std::logic_error for an id already expected.
   bool expect(transfer_id id, std::uint32_t consumers) {
     if (consumers == 0) {
       throw std::invalid_argument("ferry::kv::release_ledger::expect: transfer " +
@@ -103,7 +117,7 @@ class release_ledger {
     return false;
   }
 
-  // Rank `rank` has finished reading transfer `id`.
+  /// Rank `rank` has finished reading transfer `id`.
   ack_result acknowledge(transfer_id id, rank_id rank) {
     std::unique_lock lock(mutex_);
     if (finished_.contains(id)) return ack_result::stale;
@@ -127,10 +141,12 @@ class release_ledger {
     return ack_result::early_dropped;
   }
 
+  /// Transfers expected and not yet freed.
   [[nodiscard]] std::size_t open() const {
     std::lock_guard lock(mutex_);
     return open_.size();
   }
+  /// Transfers with acknowledgements held before their expect().
   [[nodiscard]] std::size_t early() const {
     std::lock_guard lock(mutex_);
     return early_.size();

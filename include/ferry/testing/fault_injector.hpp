@@ -31,26 +31,36 @@
 
 namespace ferry {
 
+/// What a fault_injector does to the transfers it wraps, drawn per transfer from `seed`.
+/// The three rates each lie in [0, 1] and sum to at most 1; the rest are forwarded.
 struct fault_profile {
-  double failure_rate = 0.0;
-  double hang_rate = 0.0;
-  double delay_rate = 0.0;
-  std::chrono::nanoseconds max_delay{0};
+  double failure_rate = 0.0;  ///< share that fail with `error`, although the data moved
+  double hang_rate = 0.0;  ///< share that never complete, until release_hung() (a lost completion)
+  double delay_rate = 0.0;  ///< share that complete up to max_delay after their inner transfer
+  std::chrono::nanoseconds max_delay{0};  ///< the longest delay
+  /// With more than 1, forwarded and failed results are held and released in shuffled batches of
+  /// this many, so that completions arrive out of submission order.
   std::size_t reorder_window = 0;
-  // A partial reorder window is released once it has waited this long.
+  /// A partial reorder window is released once it has waited this long.
   std::chrono::nanoseconds reorder_hold = std::chrono::milliseconds(1);
-  std::error_code error = make_error_code(testing::errc::injected_fault);
-  std::uint64_t seed = 1;
+  std::error_code error = make_error_code(testing::errc::injected_fault);  ///< what failures say
+  std::uint64_t seed = 1;  ///< the same seed gives the same choices, in submission order
 };
 
+/// What a fault_injector has done so far (fault_injector::counters()).
 struct fault_counters {
-  std::uint64_t wrapped = 0;
-  std::uint64_t failed = 0;
-  std::uint64_t hung = 0;
-  std::uint64_t delayed = 0;
-  std::uint64_t forwarded = 0;
+  std::uint64_t wrapped = 0;  ///< transfers wrapped
+  std::uint64_t failed = 0;  ///< outer transfers failed on purpose
+  std::uint64_t hung = 0;  ///< outer transfers held back as lost
+  std::uint64_t delayed = 0;  ///< outer transfers delayed
+  std::uint64_t forwarded = 0;  ///< outer transfers given their inner result
 };
 
+/// Stands between any backend's transfers and their callers, failing, delaying, reordering or
+/// losing their completions as its fault_profile says.
+///
+/// wrap(inner) returns an outer transfer that ends only after `inner` has ended, so the buffer under
+/// it is quiescent when the caller hears about it. Polled by the executor it was given.
 class fault_injector {
   enum class fate : std::uint8_t { forward, fail, hang, delay };
 
@@ -78,6 +88,8 @@ class fault_injector {
   };
 
  public:
+  /// Registers with `exec`, which must outlive the injector. Throws std::invalid_argument for rates
+  /// outside [0, 1] or summing past 1, and for a negative max_delay or reorder_hold.
   fault_injector(progress_executor& exec, fault_profile profile)
       : exec_(exec), profile_(std::move(profile)), core_(std::make_shared<core>(exec)),
         rng_(profile_.seed) {
@@ -100,8 +112,8 @@ class fault_injector {
   fault_injector(const fault_injector&) = delete;
   fault_injector& operator=(const fault_injector&) = delete;
 
-  // Results already known are delivered; hung transfers fail as errc::abandoned; transfers whose inner
-  // transfer is still running complete when it does, without the injector.
+  /// Results already known are delivered; hung transfers fail as errc::abandoned; transfers whose inner
+  /// transfer is still running complete when it does, without the injector.
   ~fault_injector() {
     exec_.remove_source(*this);
     if (!exec_.timers().cancel(timer_)) exec_.sync();
@@ -123,7 +135,7 @@ class fault_injector {
     for (record* r : hung_) delete r;  // the outer completer goes: failed, errc::abandoned
   }
 
-  // Throws std::bad_alloc.
+  /// The outer transfer for `inner`, whose fate is drawn now. Throws std::bad_alloc.
   [[nodiscard]] transfer wrap(transfer inner) {
     auto [outer_transfer, outer_completer] = make_manual_transfer();
     auto r = std::make_unique<record>();
@@ -151,7 +163,7 @@ class fault_injector {
     return std::move(outer_transfer);
   }
 
-  // Completes every hung transfer with its inner result; returns how many there were.
+  /// Completes every hung transfer with its inner result; returns how many there were.
   std::size_t release_hung() {
     std::vector<record*> released;
     {
@@ -165,12 +177,14 @@ class fault_injector {
     return released.size();
   }
 
+  /// What the injector has done so far; any thread.
   [[nodiscard]] fault_counters counters() const {
     std::lock_guard lock(choice_mutex_);
     return counters_;
   }
 
-  // Called by the executor only.
+  /// Delivers the results that are due; returns how many outer transfers it completed
+  /// (completion_source). Called by the executor only.
   std::size_t poll(std::size_t budget) noexcept {
     std::vector<record*> batch;
     {

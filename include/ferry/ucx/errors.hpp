@@ -12,20 +12,22 @@
 
 namespace ferry::ucx {
 
+/// The UCX backend's own error codes (category "ferry::ucx").
 enum class errc : int {
-  deadline_exceeded = 1,  // the request's deadline passed: its endpoint was closed to end it
-  endpoint_closed,        // the endpoint was closed (by close(), or to end another request)
-  outside_region,         // a local or remote range is not inside its region
-  length_mismatch,        // local and remote ranges differ in length
-  bad_descriptor,         // bytes that are not a ferry UCX descriptor (region or worker address)
-  handshake_failed,       // connecting by host and port did not complete the region exchange
-  peer_gone,              // the peer's process has exited (a same-host peer, checked by pid)
-  worker_closed,          // the worker was destroyed while the request was queued
-  not_executor_safe,      // a blocking call made on the executor's own thread
-  peer_unresponsive,      // the peer left a liveness ping unanswered (a stopped or hung process)
-  notification_refused,   // the receiver already held max_unclaimed_notifications of ours
+  deadline_exceeded = 1,  ///< the request's deadline passed: its endpoint was closed to end it
+  endpoint_closed,        ///< the endpoint was closed (by close(), or to end another request)
+  outside_region,         ///< a local or remote range is not inside its region
+  length_mismatch,        ///< local and remote ranges differ in length
+  bad_descriptor,         ///< bytes that are not a ferry UCX descriptor (region or worker address)
+  handshake_failed,       ///< connecting by host and port did not complete the region exchange
+  peer_gone,              ///< the peer's process has exited (a same-host peer, checked by pid)
+  worker_closed,          ///< the worker was destroyed while the request was queued
+  not_executor_safe,      ///< a blocking call made on the executor's own thread
+  peer_unresponsive,      ///< the peer left a liveness ping unanswered (a stopped or hung process)
+  notification_refused,   ///< the receiver already held max_unclaimed_notifications of ours
 };
 
+/// The message for `e` (what error_code::message() says); nullptr for a value that is no errc.
 [[nodiscard]] constexpr const char* describe(errc e) noexcept {
   switch (e) {
     case errc::deadline_exceeded:
@@ -57,10 +59,12 @@ enum class errc : int {
   return nullptr;
 }
 
+/// The category of ferry::ucx::errc, named "ferry::ucx".
 [[nodiscard]] inline const std::error_category& ucx_category() noexcept {
   return ferry::detail::error_category_of<errc, describe>("ferry::ucx");
 }
 
+/// `e` as a std::error_code in ucx_category().
 [[nodiscard]] inline std::error_code make_error_code(errc e) noexcept {
   return {static_cast<int>(e), ucx_category()};
 }
@@ -77,17 +81,20 @@ class ucs_category_impl final : public std::error_category {
 
 }  // namespace detail
 
-// ucs_status_t values, as UCX reports them (negative).
+/// The category of UCX's own status codes ("ucs_status"), whose messages are UCX's text.
+/// ucs_status_t values, as UCX reports them (negative).
 [[nodiscard]] inline const std::error_category& ucs_category() noexcept {
   static const detail::ucs_category_impl category;
   return category;
 }
 
+/// UCX's status `s` as a std::error_code in ucs_category(); its message is UCX's own text.
 [[nodiscard]] inline std::error_code status_error(ucs_status_t s) noexcept {
   return {static_cast<int>(s), ucs_category()};
 }
 
 }  // namespace ferry::ucx
 
+/// Makes ferry::ucx::errc an error-code enum: it converts to std::error_code and compares with one.
 template <>
 struct std::is_error_code_enum<ferry::ucx::errc> : std::true_type {};

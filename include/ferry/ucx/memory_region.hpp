@@ -95,32 +95,42 @@ inline std::shared_ptr<region_state> map_region(const std::shared_ptr<context_ho
 
 class memory_region;
 
-// A range of a local region, for a get's destination or a put's source.
+/// A range of a local region, for a get's destination or a put's source.
 struct local_slice {
-  const memory_region* region = nullptr;
-  std::size_t offset = 0;
-  std::size_t length = 0;
+  const memory_region* region = nullptr;  ///< the region, whose handle must outlive the call
+  std::size_t offset = 0;  ///< where the range starts in the region
+  std::size_t length = 0;  ///< bytes
 };
 
+/// Memory registered with a worker's UCX context (worker::register_memory or worker::allocate).
+///
+/// A shared handle: every request using the region holds it, so it is unmapped only once UCX can no
+/// longer touch it. describe() gives what a peer needs to reach it.
 class memory_region {
  public:
+  /// An empty handle (false), registering nothing.
   memory_region() = default;
+  /// Takes a mapped region's state (the worker's register_memory and allocate make them).
   explicit memory_region(std::shared_ptr<detail::region_state> s) noexcept : state_(std::move(s)) {}
 
+  /// The region's memory (empty for an empty handle).
   [[nodiscard]] std::span<std::byte> bytes() const noexcept {
     return state_ ? std::span<std::byte>(state_->base, state_->length) : std::span<std::byte>();
   }
+  /// True when UCX allocated the memory (worker::allocate) rather than registering the user's.
   [[nodiscard]] bool allocated_by_ucx() const noexcept { return state_ && state_->allocated; }
+  /// True unless the handle is empty.
   [[nodiscard]] explicit operator bool() const noexcept { return state_ != nullptr; }
 
-  // What a peer needs to reach this region, as bytes for the user's own channel
-  // (remote_region::from_bytes on the other side).
+  /// What a peer needs to reach this region, as bytes for the user's own channel
+  /// (remote_region::from_bytes on the other side).
   [[nodiscard]] remote_region describe() const {
     if (!state_) throw std::logic_error("ferry::ucx::memory_region::describe on an empty region");
     return {reinterpret_cast<std::uintptr_t>(state_->base), state_->length, state_->packed_key};
   }
 
-  // Throws std::out_of_range when [offset, offset + n) is not inside the region.
+  /// The `n` bytes at `offset` into the region.
+  /// Throws std::out_of_range when [offset, offset + n) is not inside the region.
   [[nodiscard]] local_slice slice(std::size_t offset, std::size_t n) const {
     if (!state_ || offset > state_->length || n > state_->length - offset) {
       throw std::out_of_range("ferry::ucx::memory_region::slice: bytes [" + std::to_string(offset) +
@@ -130,8 +140,10 @@ class memory_region {
     }
     return {this, offset, n};
   }
+  /// The whole region as one slice.
   [[nodiscard]] local_slice whole() const { return slice(0, state_ ? state_->length : 0); }
 
+  /// The shared state that requests hold (for the worker).
   [[nodiscard]] const std::shared_ptr<detail::region_state>& state() const noexcept {
     return state_;
   }

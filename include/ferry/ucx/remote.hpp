@@ -111,19 +111,20 @@ class record_reader {
 
 }  // namespace detail
 
-// A range of a peer's region.
+/// A range of a peer's region.
 struct remote_slice {
-  std::uint64_t address = 0;
-  std::uint64_t length = 0;
-  std::size_t region = 0;  // index into the endpoint's peer regions (see endpoint::peer_region)
+  std::uint64_t address = 0;  ///< the first byte, in the peer's address space
+  std::uint64_t length = 0;   ///< bytes
+  std::size_t region = 0;  ///< index into the endpoint's peer regions (see endpoint::peer_regions)
 };
 
-// A peer's registered region: where it is in the peer's address space and its packed remote key.
+/// A peer's registered region: where it is in the peer's address space and its packed remote key.
 struct remote_region {
-  std::uint64_t address = 0;
-  std::uint64_t length = 0;
-  std::vector<std::byte> packed_key;
+  std::uint64_t address = 0;  ///< the region's first byte, in the peer's address space
+  std::uint64_t length = 0;   ///< bytes
+  std::vector<std::byte> packed_key;  ///< UCX's packed remote key (ucp_rkey_pack)
 
+  /// The region as a descriptor to send to a peer (from_bytes reads it back).
   [[nodiscard]] std::vector<std::byte> to_bytes() const {
     detail::record_writer w(detail::region_magic);
     w.put(address);
@@ -133,7 +134,8 @@ struct remote_region {
     return w.finish();
   }
 
-  // Throws std::system_error (errc::bad_descriptor) for bytes that are not a region descriptor.
+  /// The region a peer's to_bytes() described, checked (check()).
+  /// Throws std::system_error (errc::bad_descriptor) for bytes that are not a region descriptor.
   [[nodiscard]] static remote_region from_bytes(std::span<const std::byte> bytes) {
     detail::record_reader r(bytes, detail::region_magic, "remote region descriptor");
     remote_region out;
@@ -151,9 +153,9 @@ struct remote_region {
     return out;
   }
 
-  // Throws std::system_error (errc::bad_descriptor) naming what is wrong with a region that UCX
-  // could not safely take: an empty range, one that wraps the address space, or a packed key whose
-  // structure is not UCX's. endpoint::import checks every region with it.
+  /// Throws std::system_error (errc::bad_descriptor) naming what is wrong with a region that UCX
+  /// could not safely take: an empty range, one that wraps the address space, or a packed key whose
+  /// structure is not UCX's. endpoint::import checks every region with it.
   void check() const {
     const auto refuse = [](const std::string& why) {
       throw std::system_error(make_error_code(errc::bad_descriptor),

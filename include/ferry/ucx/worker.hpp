@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "ferry/detail/made_awaiter.hpp"
 #include "ferry/detail/timeout.hpp"
 #include "ferry/errors.hpp"
 #include "ferry/progress_executor.hpp"
@@ -36,13 +37,14 @@ namespace ferry::ucx {
 
 class worker;
 
-// A peer's region imported on an endpoint: slice() gives the ranges gets and puts name.
+/// A peer's region imported on an endpoint: slice() gives the ranges gets and puts name.
 struct remote_memory {
-  std::uint64_t address = 0;
-  std::uint64_t length = 0;
-  std::uint32_t index = 0;
+  std::uint64_t address = 0;  ///< the region's first byte, in the peer's address space
+  std::uint64_t length = 0;   ///< bytes
+  std::uint32_t index = 0;    ///< its index among the endpoint's peer regions
 
-  // Throws std::out_of_range when [offset, offset + n) is not inside the region.
+  /// The `n` bytes at `offset` into the region.
+  /// Throws std::out_of_range when [offset, offset + n) is not inside the region.
   [[nodiscard]] remote_slice slice(std::uint64_t offset, std::uint64_t n) const {
     if (offset > length || n > length - offset) {
       throw std::out_of_range("ferry::ucx::remote_memory::slice: bytes [" + std::to_string(offset) +
@@ -54,10 +56,10 @@ struct remote_memory {
   }
 };
 
-// One get or put of a batch.
+/// One get or put of a batch.
 struct rma_block {
-  local_slice local;
-  remote_slice remote;
+  local_slice local;    ///< this side's memory: a get's destination, a put's source
+  remote_slice remote;  ///< the peer's memory, of the same length
 };
 
 namespace detail {
@@ -121,12 +123,13 @@ void on_executor(engine& e, const std::string& what, F f) {
 
 }  // namespace detail
 
-// An endpoint to one peer. Copies share it; the last copy to go closes it.
+/// An endpoint to one peer. Copies share it; the last copy to go closes it.
 class endpoint {
  public:
+  /// An empty handle, connected to nothing; calls on it throw std::logic_error.
   endpoint() = default;
 
-  // The regions the peer exposed when connecting by host and port (in its order).
+  /// The regions the peer exposed when connecting by host and port (in its order).
   [[nodiscard]] std::vector<remote_memory> peer_regions() const {
     std::vector<remote_memory> out;
     for (std::size_t i = 0; i < state()->peer_regions.size(); ++i) {
@@ -136,8 +139,8 @@ class endpoint {
     return out;
   }
 
-  // Imports a region a peer described (remote_region::from_bytes of the bytes it sent): its key is
-  // unpacked on this endpoint once, at first use. Blocks until the executor has it.
+  /// Imports a region a peer described (remote_region::from_bytes of the bytes it sent): its key is
+  /// unpacked on this endpoint once, at first use. Blocks until the executor has it.
   [[nodiscard]] remote_memory import(const remote_region& region) {
     std::uint32_t index = 0;
     std::shared_ptr<detail::endpoint_state> s = state_;
@@ -148,12 +151,12 @@ class endpoint {
     return {region.address, region.length, index};
   }
 
-  // Why the endpoint carries nothing more; empty while it does.
+  /// Why the endpoint carries nothing more; empty while it does.
   [[nodiscard]] std::error_code error() const { return state()->failure(); }
 
-  // One-sided put of `src` into the peer's `dst` (same length). With put_completion::landed (the
-  // default) the transfer ends once the data is in the peer's memory. `timeout` (negative: none)
-  // bounds the request: past it the endpoint is force-closed, which ends every request on it.
+  /// One-sided put of `src` into the peer's `dst` (same length). With put_completion::landed (the
+  /// default) the transfer ends once the data is in the peer's memory. `timeout` (negative: none)
+  /// bounds the request: past it the endpoint is force-closed, which ends every request on it.
   template <class Rep = std::int64_t, class Period = std::nano>
   [[nodiscard]] transfer put(local_slice src, remote_slice dst,
                              std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1),
@@ -164,7 +167,7 @@ class endpoint {
     return out;
   }
 
-  // One-sided get of the peer's `src` into `dst` (same length).
+  /// One-sided get of the peer's `src` into `dst` (same length).
   template <class Rep = std::int64_t, class Period = std::nano>
   [[nodiscard]] transfer get(local_slice dst, remote_slice src,
                              std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {
@@ -175,7 +178,7 @@ class endpoint {
     return out;
   }
 
-  // A batch with one deadline: out[i] is blocks[i]'s transfer. A landed put batch is flushed once.
+  /// A batch with one deadline: out[i] is blocks[i]'s transfer. A landed put batch is flushed once.
   template <class Rep = std::int64_t, class Period = std::nano>
   void put_batch(std::span<const rma_block> blocks, std::span<transfer> out,
                  std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1),
@@ -183,14 +186,15 @@ class endpoint {
     submit(detail::request_kind::put, blocks, out, timeout, completion);
   }
 
+  /// put_batch's get counterpart: each block's remote range is read into its local one.
   template <class Rep = std::int64_t, class Period = std::nano>
   void get_batch(std::span<const rma_block> blocks, std::span<transfer> out,
                  std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {
     submit(detail::request_kind::get, blocks, out, timeout, put_completion::landed);
   }
 
-  // Sends `value` once every put sent before it on this endpoint has landed (a flush, then an
-  // active message), so the peer's receive_notification tells it that its data is there.
+  /// Sends `value` once every put sent before it on this endpoint has landed (a flush, then an
+  /// active message), so the peer's receive_notification tells it that its data is there.
   template <class Rep = std::int64_t, class Period = std::nano>
   [[nodiscard]] transfer send_notification(std::uint64_t value,
       std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {
@@ -202,9 +206,9 @@ class endpoint {
     return t;
   }
 
-  // The next notification the peer sent, in order; `value` is written before the transfer succeeds,
-  // so it must stay valid until the transfer is terminal. A peer that dies fails the wait (UCX's
-  // keepalive notices a dead peer where nothing else is in flight; worker_options::keepalive).
+  /// The next notification the peer sent, in order; `value` is written before the transfer succeeds,
+  /// so it must stay valid until the transfer is terminal. A peer that dies fails the wait (UCX's
+  /// keepalive notices a dead peer where nothing else is in flight; worker_options::keepalive).
   template <class Rep = std::int64_t, class Period = std::nano>
   [[nodiscard]] transfer receive_notification(std::uint64_t& value,
       std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {
@@ -216,11 +220,11 @@ class endpoint {
     return t;
   }
 
-  // Closes the endpoint: requests made from now on fail with errc::endpoint_closed. Those already
-  // out get until worker_options::close_timeout to end (UCX flushes the endpoint, so the peer has
-  // read everything sent on it before the connection goes); then it is force-closed, and any still
-  // out fail with errc::endpoint_closed. Returns once it is closed (at once on the executor's
-  // thread). The last handle going closes it the same way, without waiting.
+  /// Closes the endpoint: requests made from now on fail with errc::endpoint_closed. Those already
+  /// out get until worker_options::close_timeout to end (UCX flushes the endpoint, so the peer has
+  /// read everything sent on it before the connection goes); then it is force-closed, and any still
+  /// out fail with errc::endpoint_closed. Returns once it is closed (at once on the executor's
+  /// thread). The last handle going closes it the same way, without waiting.
   void close() {
     if (!state_) return;
     transfer t;
@@ -228,11 +232,14 @@ class endpoint {
     if (!state_->eng->executor().on_executor_thread()) (void)t.wait();
   }
 
+  ///@{
+  /// Copies share the endpoint; the last handle to go closes it (see close()).
   endpoint(const endpoint&) = default;
   endpoint& operator=(const endpoint&) = default;
   endpoint(endpoint&&) noexcept = default;
   endpoint& operator=(endpoint&&) noexcept = default;
   ~endpoint() = default;
+  ///@}
 
  private:
   friend class worker;
@@ -287,7 +294,7 @@ class endpoint {
     // Refused blocks get a failed transfer that names what was wrong; the rest make one request.
     const std::error_code broken = state()->failure();
     std::size_t accepted = 0;
-    for (const rma_block& b : blocks) accepted += broken || refusal(b) ? 0 : 1;
+    for (const rma_block& b : blocks) accepted += broken || refusal(b) ? 0u : 1u;
     std::unique_ptr<detail::request> r;
     if (accepted != 0) {
       r = make(k, accepted, nullptr);
@@ -322,13 +329,15 @@ class endpoint {
 
 class listener;
 
-// An endpoint being made by host and port (worker::connect_async, listener::accept_async).
-// `co_await` it in a coroutine (it resumes on the coroutine's scheduler with the endpoint, or throws
-// std::system_error naming what failed), or get() it, which blocks. Dropping it unawaited is safe:
-// an endpoint made meanwhile is closed.
+/// An endpoint being made by host and port (worker::connect_async, listener::accept_async).
+/// `co_await` it in a coroutine (it resumes on the coroutine's scheduler with the endpoint, or throws
+/// std::system_error naming what failed), or get() it, which blocks. Dropping it unawaited is safe:
+/// an endpoint made meanwhile is closed.
 class pending_endpoint {
  public:
+  /// Takes over `other`'s connection under way.
   pending_endpoint(pending_endpoint&&) noexcept = default;
+  /// Lets go of its own connection under way (an endpoint made for it is closed) and takes `other`'s.
   pending_endpoint& operator=(pending_endpoint&& other) noexcept {
     if (this != &other) {
       let_go();
@@ -343,37 +352,23 @@ class pending_endpoint {
   }
   pending_endpoint(const pending_endpoint&) = delete;
   pending_endpoint& operator=(const pending_endpoint&) = delete;
+  /// Drops the result: an endpoint made for it, now or later, is closed.
   ~pending_endpoint() { let_go(); }
 
-  // Ends when the endpoint is made or could not be: for a batch wait beside other transfers.
+  /// Ends when the endpoint is made or could not be: for a batch wait beside other transfers.
   [[nodiscard]] const transfer& made() const noexcept { return made_; }
 
-  // Waits for the endpoint; throws std::system_error naming what failed (errc::not_executor_safe
-  // on the executor's own thread while it is still being made).
+  /// Waits for the endpoint; throws std::system_error naming what failed (errc::not_executor_safe
+  /// on the executor's own thread while it is still being made).
   [[nodiscard]] endpoint get();
 
-  class awaiter {
-   public:
-    explicit awaiter(pending_endpoint& p) : inner_(p.made_.status()), owner_(&p) {}
-    bool await_ready() noexcept { return inner_.await_ready(); }
-    template <class Promise>
-    bool await_suspend(std::coroutine_handle<Promise> h) {
-      return inner_.await_suspend(h);
-    }
-    bool await_suspend_on(std::coroutine_handle<> h, any_scheduler s) noexcept {
-      return inner_.await_suspend_on(h, std::move(s));
-    }
-    endpoint await_resume() {
-      (void)inner_.await_resume();
-      return owner_->get();  // terminal by now: does not block
-    }
-
-   private:
-    transfer_awaiter inner_;
-    pending_endpoint* owner_;
-  };
+  /// Resumes on the awaiting coroutine's scheduler with the endpoint, or throws as get() does.
+  using awaiter = ferry::detail::made_awaiter<pending_endpoint>;
+  ///@{
+  /// `co_await` yields the endpoint, or throws std::system_error as get() does.
   [[nodiscard]] awaiter operator co_await() & { return awaiter(*this); }
   [[nodiscard]] awaiter operator co_await() && { return awaiter(*this); }
+  ///@}
 
  private:
   friend class worker;
@@ -403,9 +398,11 @@ class pending_endpoint {
   std::optional<endpoint> endpoint_;  // once get() has made a handle of it
 };
 
-// A UCX context and worker, progressed by `exec` alone.
+/// A UCX context and worker, progressed by `exec` alone.
 class worker {
  public:
+  /// Makes the UCX context and worker and registers with `exec`, which must outlive it. Throws
+  /// std::system_error naming what UCX refused (a transport it has none of, say).
   explicit worker(progress_executor& exec, worker_options options = {})
       : engine_(std::make_unique<detail::engine>(exec, options)) {
     exec.add_source(*engine_);
@@ -413,10 +410,10 @@ class worker {
   worker(const worker&) = delete;
   worker& operator=(const worker&) = delete;
 
-  // Every endpoint and listener of this worker must be gone; requests still queued fail with
-  // errc::worker_closed. Endpoints whose last handle went are given until their close_timeout to
-  // flush (endpoint::close()), then force-closed. Memory regions may outlive it (they keep the
-  // context).
+  /// Every endpoint and listener of this worker must be gone; requests still queued fail with
+  /// errc::worker_closed. Endpoints whose last handle went are given until their close_timeout to
+  /// flush (endpoint::close()), then force-closed. Memory regions may outlive it (they keep the
+  /// context).
   ~worker() {
     // The liveness timer is the executor's: disarmed on its thread, where it fires.
     if (!engine_->executor().on_executor_thread()) {
@@ -453,7 +450,7 @@ class worker {
     }
   }
 
-  // This worker's address, as bytes for the user's own channel: a peer passes them to connect().
+  /// This worker's address, as bytes for the user's own channel: a peer passes them to connect().
   [[nodiscard]] std::vector<std::byte> address() const {
     detail::record_writer w(detail::address_magic);
     w.put(engine_->self_identity());
@@ -463,18 +460,18 @@ class worker {
     return w.finish();
   }
 
-  // Registers user memory (it must outlive the region).
+  /// Registers user memory (it must outlive the region).
   [[nodiscard]] memory_region register_memory(std::span<std::byte> memory) {
     return memory_region(detail::map_region(engine_->context(), memory.data(), memory.size(), false));
   }
 
-  // Memory UCX allocates: over shared memory a peer reaches it directly, without emulation.
+  /// Memory UCX allocates: over shared memory a peer reaches it directly, without emulation.
   [[nodiscard]] memory_region allocate(std::size_t bytes) {
     return memory_region(detail::map_region(engine_->context(), nullptr, bytes, true));
   }
 
-  // An endpoint to the peer whose address() bytes the user carried over. Both sides usually connect
-  // to each other: a side receives notifications only from peers it has an endpoint to.
+  /// An endpoint to the peer whose address() bytes the user carried over. Both sides usually connect
+  /// to each other: a side receives notifications only from peers it has an endpoint to.
   [[nodiscard]] endpoint connect(std::span<const std::byte> peer_address) {
     detail::record_reader r(peer_address, detail::address_magic, "worker address");
     const auto peer = r.get<detail::peer_identity>();
@@ -488,10 +485,10 @@ class worker {
     return wrap(std::move(s));
   }
 
-  // Connects to a listener at host:port, telling the peer the regions in `expose`; returns once
-  // the hellos have crossed (endpoint::peer_regions has the peer's). Through ferry's own handshake
-  // (detail/connection.hpp), not UCX's connection manager; any transports. Blocks: in a coroutine,
-  // co_await connect_async instead.
+  /// Connects to a listener at host:port, telling the peer the regions in `expose`; returns once
+  /// the hellos have crossed (endpoint::peer_regions has the peer's). Through ferry's own handshake
+  /// (detail/connection.hpp), not UCX's connection manager; any transports. Blocks: in a coroutine,
+  /// co_await connect_async instead.
   template <class Rep = std::int64_t, class Period = std::nano>
   [[nodiscard]] endpoint connect(const std::string& host, std::uint16_t port,
                                  std::span<const memory_region> expose,
@@ -500,7 +497,7 @@ class worker {
     return connect_async(host, port, expose, timeout).get();
   }
 
-  // connect, to co_await: the calling thread never blocks (timeout bounds the whole handshake).
+  /// connect, to co_await: the calling thread never blocks (timeout bounds the whole handshake).
   template <class Rep = std::int64_t, class Period = std::nano>
   [[nodiscard]] pending_endpoint connect_async(const std::string& host, std::uint16_t port,
       std::span<const memory_region> expose,
@@ -514,23 +511,23 @@ class worker {
     return pending_endpoint(*this, std::move(r), connect_what(host, port));
   }
 
-  // Listens on host:port (port 0: any free one; listener::port tells which), telling each peer
-  // that connects the regions in `expose`.
+  /// Listens on host:port (port 0: any free one; listener::port tells which), telling each peer
+  /// that connects the regions in `expose`.
   [[nodiscard]] listener listen(const std::string& host, std::uint16_t port,
                                 std::span<const memory_region> expose);
 
-  // Notifications this worker refused because their sender already had
-  // worker_options::max_unclaimed_notifications waiting here that nobody had taken (any thread).
+  /// Notifications this worker refused because their sender already had
+  /// worker_options::max_unclaimed_notifications waiting here that nobody had taken (any thread).
   [[nodiscard]] std::uint64_t notifications_refused() const noexcept {
     return engine_->notifications_refused();
   }
 
-  // Requests whose transfers ended (failed) when their endpoint was force-closed although UCX still
-  // held them: until UCX lets go (at the latest when this worker is destroyed) it may still read a
-  // put's source or write a get's destination, and their regions stay registered (any thread).
+  /// Requests whose transfers ended (failed) when their endpoint was force-closed although UCX still
+  /// held them: until UCX lets go (at the latest when this worker is destroyed) it may still read a
+  /// put's source or write a get's destination, and their regions stay registered (any thread).
   [[nodiscard]] std::size_t requests_held_by_ucx() const noexcept { return engine_->abandoned(); }
 
-  // The completion source, for the executor only.
+  /// The completion source, for the executor only.
   [[nodiscard]] detail::engine& engine() noexcept { return *engine_; }
 
  private:
@@ -570,19 +567,22 @@ class worker {
   std::atomic<int> open_handles_{0};
 };
 
+/// Accepts peers that connect by host and port (worker::listen), handing each the regions it
+/// exposes. Destroy it before its worker.
 class listener {
  public:
+  /// The port it listens on (the one chosen, when listen was given 0).
   [[nodiscard]] std::uint16_t port() const noexcept { return state_->port; }
 
-  // The next peer that connected and told its regions; waits up to `timeout`. Blocks: in a
-  // coroutine, co_await accept_async instead.
+  /// The next peer that connected and told its regions; waits up to `timeout`. Blocks: in a
+  /// coroutine, co_await accept_async instead.
   template <class Rep = std::int64_t, class Period = std::nano>
   [[nodiscard]] endpoint accept(std::chrono::duration<Rep, Period> timeout = std::chrono::seconds(10)) {
     detail::refuse_on_executor(owner_->engine(), "ferry::ucx::listener::accept");
     return accept_async(timeout).get();
   }
 
-  // accept, to co_await.
+  /// accept without blocking: a pending_endpoint to co_await (or get()).
   template <class Rep = std::int64_t, class Period = std::nano>
   [[nodiscard]] pending_endpoint accept_async(
       std::chrono::duration<Rep, Period> timeout = std::chrono::seconds(10)) {
@@ -593,12 +593,14 @@ class listener {
     return pending_endpoint(*owner_, std::move(r), "ferry::ucx::listener::accept");
   }
 
+  /// Takes over `other`'s listening socket.
   listener(listener&& other) noexcept
       : owner_(other.owner_), state_(std::move(other.state_)) {}
   listener(const listener&) = delete;
   listener& operator=(const listener&) = delete;
   listener& operator=(listener&&) = delete;
 
+  /// Stops listening (on the executor; from its own thread the worker does it when it goes).
   ~listener() {
     if (!state_) return;
     detail::engine& e = owner_->engine();

@@ -8,6 +8,7 @@
 
 namespace ferry::uring {
 
+/// The io_uring backend's own error codes (category "ferry.uring"); describe() words each one.
 enum class errc : int {
   end_of_file = 1,
   outside_registered_buffer,
@@ -18,8 +19,11 @@ enum class errc : int {
   block_too_large,
   bad_frame,
   cancelled_part_way,
+  deadline_exceeded,
+  listener_closed,
 };
 
+/// The message for `e` (what error_code::message() says); nullptr for a value that is no errc.
 [[nodiscard]] constexpr const char* describe(errc e) noexcept {
   switch (e) {
     case errc::end_of_file:
@@ -41,19 +45,27 @@ enum class errc : int {
       return "cancelled after part of the data had been read or written: those bytes left (or "
              "reached) the file or stream and the rest did not, so a stream read at its current "
              "position has lost them (the transferred count says how many)";
+    case errc::deadline_exceeded:
+      return "deadline passed before the connection was made (connect) or a peer connected "
+             "(accept)";
+    case errc::listener_closed:
+      return "the tcp_listener was closed while the accept waited for a peer";
   }
   return nullptr;
 }
 
+/// The category of ferry::uring::errc, named "ferry.uring".
 [[nodiscard]] inline const std::error_category& error_category() noexcept {
   return ferry::detail::error_category_of<errc, describe>("ferry.uring");
 }
 
+/// `e` as a std::error_code in error_category().
 [[nodiscard]] inline std::error_code make_error_code(errc e) noexcept {
   return {static_cast<int>(e), error_category()};
 }
 
 }  // namespace ferry::uring
 
+/// Makes ferry::uring::errc an error-code enum: it converts to std::error_code and compares with one.
 template <>
 struct std::is_error_code_enum<ferry::uring::errc> : std::true_type {};

@@ -11,10 +11,10 @@
 
 namespace ferry::uring {
 
-// What a received framed block carried (tcp.hpp).
+/// What a received framed block carried (tcp.hpp).
 struct received_block {
-  std::uint64_t id = 0;
-  std::size_t length = 0;
+  std::uint64_t id = 0;  ///< the block id the sender gave it
+  std::size_t length = 0;  ///< the payload's length in bytes, written to the front of the buffer
 };
 
 namespace detail {

@@ -62,8 +62,15 @@
 
 namespace ferry::uring {
 
+/// An io_uring ring driven by the progress executor: file reads and writes at offsets, and the
+/// ring tcp_connection and tcp_listener run on.
+///
+/// Any thread submits; only the executor thread touches the ring. Every transfer's buffer must stay
+/// valid until the transfer is terminal; destroy the ring's connections before it.
 class ring {
  public:
+  /// Sets up the ring (see ring_options) and registers with `exec`, which must outlive it. Throws
+  /// std::invalid_argument for zero entries, std::system_error when the kernel refuses the ring.
   explicit ring(progress_executor& exec, ring_options options = {}) : e_(exec) {
     if (options.entries == 0) {
       throw std::invalid_argument("ferry::uring::ring_options::entries must be at least 1");
@@ -156,9 +163,9 @@ class ring {
   ring(const ring&) = delete;
   ring& operator=(const ring&) = delete;
 
-  // Waits for everything the kernel still holds: operations in flight are cancelled and their own
-  // completions awaited, so no buffer is written after this returns. Operations not yet given to
-  // the kernel fail with ferry::errc::backend_shut_down. Every tcp_connection on this ring must be gone.
+  /// Waits for everything the kernel still holds: operations in flight are cancelled and their own
+  /// completions awaited, so no buffer is written after this returns. Operations not yet given to
+  /// the kernel fail with ferry::errc::backend_shut_down. Every tcp_connection on this ring must be gone.
   ~ring() {
     if (e_.exec_.on_executor_thread()) {
       // A continuation resumed inline may be inside this ring's own poll() (reap() holding taken
@@ -198,18 +205,18 @@ class ring {
     detail::close_ring(e_);
   }
 
-  // Reads dst.size() bytes at `offset` (or current_position) into dst. `transferred`, if given, is
-  // set to the bytes that landed before the transfer ended (read it once the transfer is terminal).
-  // A cancel that takes effect before any byte moved ends the transfer cancelled; after some did,
-  // it fails with errc::cancelled_part_way, since a stream read at its current position has then
-  // lost those bytes.
+  /// Reads dst.size() bytes at `offset` (or current_position) into dst. `transferred`, if given, is
+  /// set to the bytes that landed before the transfer ended (read it once the transfer is terminal).
+  /// A cancel that takes effect before any byte moved ends the transfer cancelled; after some did,
+  /// it fails with errc::cancelled_part_way, since a stream read at its current position has then
+  /// lost those bytes.
   [[nodiscard]] transfer read(file_ref file, std::span<std::byte> dst, std::uint64_t offset,
                               std::size_t* transferred = nullptr) {
     return detail::submit_io(e_, detail::read_handlers, file, dst.data(), dst.size(), offset, -1,
                              transferred);
   }
 
-  // The same through a registered buffer: dst must lie inside `registered.memory`.
+  /// The same through a registered buffer: dst must lie inside `registered.memory`.
   [[nodiscard]] transfer read(file_ref file, std::span<std::byte> dst, std::uint64_t offset,
                               const fixed_buffer& registered, std::size_t* transferred = nullptr) {
     if (const errc e = detail::check_registered(dst.data(), dst.size(), registered); e != errc{}) {
@@ -219,13 +226,14 @@ class ring {
                              static_cast<int>(registered.index), transferred);
   }
 
-  // Writes src at `offset` (or current_position); `transferred` and a cancel as for read().
+  /// Writes src at `offset` (or current_position); `transferred` and a cancel as for read().
   [[nodiscard]] transfer write(file_ref file, std::span<const std::byte> src, std::uint64_t offset,
                                std::size_t* transferred = nullptr) {
     return detail::submit_io(e_, detail::write_handlers, file, const_cast<std::byte*>(src.data()),
                              src.size(), offset, -1, transferred);
   }
 
+  /// The same through a registered buffer: src must lie inside `registered.memory`.
   [[nodiscard]] transfer write(file_ref file, std::span<const std::byte> src, std::uint64_t offset,
                                const fixed_buffer& registered, std::size_t* transferred = nullptr) {
     if (const errc e = detail::check_registered(src.data(), src.size(), registered); e != errc{}) {
@@ -235,53 +243,56 @@ class ring {
                              src.size(), offset, static_cast<int>(registered.index), transferred);
   }
 
-  // Scatter: fills the iovecs in order from `offset`, as one transfer. The iovec array (not only
-  // the memory it points to) must stay valid until the transfer is terminal.
+  /// Scatter: fills the iovecs in order from `offset`, as one transfer. The iovec array (not only
+  /// the memory it points to) must stay valid until the transfer is terminal.
   [[nodiscard]] transfer readv(file_ref file, std::span<const iovec> iov, std::uint64_t offset,
                                std::size_t* transferred = nullptr) {
     return detail::submit_vectored(e_, detail::readv_handlers, file, iov, offset, transferred);
   }
 
-  // Gather: writes the iovecs in order from `offset`, as one transfer.
+  /// Gather: writes the iovecs in order from `offset`, as one transfer.
   [[nodiscard]] transfer writev(file_ref file, std::span<const iovec> iov, std::uint64_t offset,
                                 std::size_t* transferred = nullptr) {
     return detail::submit_vectored(e_, detail::writev_handlers, file, iov, offset, transferred);
   }
 
-  // Many blocks at once, one transfer each (out[i] for blocks[i]), published with one CAS and
-  // submitted in calls of ring_options::submit_batch.
+  /// Many blocks at once, one transfer each (out[i] for blocks[i]), published with one CAS and
+  /// submitted in calls of ring_options::submit_batch. A block's `transferred`, if given, says how
+  /// many bytes landed once its transfer has ended, as read()'s does.
   void read_batch(file_ref file, std::span<const read_block> blocks, std::span<transfer> out) {
     detail::batch_reads(e_, file, blocks, out, nullptr);
   }
 
-  // The same through a registered buffer, which every block must lie inside (a block that does not
-  // fails alone, with errc::outside_registered_buffer).
+  /// The same through a registered buffer, which every block must lie inside (a block that does not
+  /// fails alone, with errc::outside_registered_buffer).
   void read_batch(file_ref file, std::span<const read_block> blocks, std::span<transfer> out,
                   const fixed_buffer& registered) {
     detail::batch_reads(e_, file, blocks, out, &registered);
   }
 
+  /// Many blocks written at once, one transfer each (out[i] for blocks[i]), as read_batch.
   void write_batch(file_ref file, std::span<const write_block> blocks, std::span<transfer> out) {
     detail::batch_writes(e_, file, blocks, out, nullptr);
   }
 
+  /// The same through a registered buffer, which every block must lie inside.
   void write_batch(file_ref file, std::span<const write_block> blocks, std::span<transfer> out,
                    const fixed_buffer& registered) {
     detail::batch_writes(e_, file, blocks, out, &registered);
   }
 
-  // Best effort: asks the kernel to cancel the operation completing `t`. If it is cancelled, `t`
-  // turns cancelled when its own completion arrives (or at once if it never reached the kernel);
-  // if it finished first, `t` keeps that result. A transfer from elsewhere is left alone.
-  // Sends to one connection go out coalesced, several frames to one sendmsg: cancelling any of
-  // them stops that sendmsg. Frames it sent whole succeed, a frame it cut part-way ends cancelled,
-  // and untouched frames that were not cancelled are sent again. (A sendmsg that comes back short
-  // completes the frames it sent whole at once, so a cancel of one of those is a no-op.) A cut
-  // frame puts the stream out of step: the connection's later sends fail, and its write side is
-  // shut down so that the peer's receive fails rather than wait for the rest of the frame.
+  /// Best effort: asks the kernel to cancel the operation completing `t`. If it is cancelled, `t`
+  /// turns cancelled when its own completion arrives (or at once if it never reached the kernel);
+  /// if it finished first, `t` keeps that result. A transfer from elsewhere is left alone.
+  /// Sends to one connection go out coalesced, several frames to one sendmsg: cancelling any of
+  /// them stops that sendmsg. Frames it sent whole succeed, a frame it cut part-way ends cancelled,
+  /// and untouched frames that were not cancelled are sent again. (A sendmsg that comes back short
+  /// completes the frames it sent whole at once, so a cancel of one of those is a no-op.) A cut
+  /// frame puts the stream out of step: the connection's later sends fail, and its write side is
+  /// shut down so that the peer's receive fails rather than wait for the rest of the frame.
   void cancel(const transfer& t) { detail::request_cancel(e_, t); }
 
-  // Registers memory for IORING_OP_READ_FIXED / WRITE_FIXED (once per ring).
+  /// Registers memory for IORING_OP_READ_FIXED / WRITE_FIXED (once per ring).
   [[nodiscard]] std::vector<fixed_buffer> register_buffers(
       std::span<const std::span<std::byte>> buffers) {
     std::vector<iovec> iov;
@@ -303,7 +314,7 @@ class ring {
     return out;
   }
 
-  // Registers descriptors for IOSQE_FIXED_FILE (once per ring).
+  /// Registers descriptors for IOSQE_FIXED_FILE (once per ring).
   [[nodiscard]] std::vector<fixed_file> register_files(std::span<const int> fds) {
     const int r = detail::on_executor(e_, [&]() noexcept {
       return ::io_uring_register_files(&e_.ring_, fds.data(), static_cast<unsigned>(fds.size()));
@@ -319,18 +330,22 @@ class ring {
     return out;
   }
 
-  // How many operations the kernel may hold at once (the completion queue's size).
+  /// How many operations the kernel may hold at once (the completion queue's size).
   [[nodiscard]] unsigned in_flight_limit() const noexcept { return e_.limit_; }
 
-  // Whether the kernel defers completions to the executor's own calls (ring_options::defer_task_work
-  // asked for it, and the kernel has it).
+  /// Whether the kernel defers completions to the executor's own calls (ring_options::defer_task_work
+  /// asked for it, and the kernel has it).
   [[nodiscard]] bool defers_task_work() const noexcept { return e_.deferred_; }
 
+  /// What the ring has done so far; any thread.
   [[nodiscard]] ring_counters counters() const noexcept { return e_.counters(); }
 
+  /// The executor that drives the ring.
   [[nodiscard]] progress_executor& executor() const noexcept { return e_.exec_; }
 
-  // The executor's side: a completion source whose descriptor is readable when CQEs wait.
+  /// Submits what was published and reaps up to `budget` completions; returns how many things it
+  /// handled (completion_source). Called by the executor only.
+  /// The executor's side: a completion source whose descriptor is readable when CQEs wait.
   std::size_t poll(std::size_t budget) noexcept {
     if (e_.signalling_) {
       // Awake again: completions are found by looking, until the next park.
@@ -351,30 +366,35 @@ class ring {
     return handled + (::io_uring_sq_ready(&e_.ring_) != 0 ? 1 : 0);
   }
 
+  /// The descriptor the executor sleeps on: the ring's own, or with deferred task work the eventfd
+  /// the kernel signals (parkable_source).
   [[nodiscard]] int park_fd() const noexcept { return e_.deferred_ ? e_.due_fd_ : e_.ring_.ring_fd; }
 
-  // The executor's side: whether the kernel holds anything but socket receives, so that the executor
-  // spins for executor_options::in_flight_spin before parking. File reads and writes complete
-  // within the device's latency; sends usually within moments (one to a peer that does not read, or
-  // a read of a pipe, waits on that peer, and costs that spin after each completion meanwhile).
-  // Receives are left out: a server keeps one posted on every connection, mostly waiting.
+  /// The executor's side: whether the kernel holds anything but socket receives, so that the executor
+  /// spins for executor_options::in_flight_spin before parking. File reads and writes complete
+  /// within the device's latency; sends usually within moments (one to a peer that does not read, or
+  /// a read of a pipe, waits on that peer, and costs that spin after each completion meanwhile).
+  /// Receives are left out: a server keeps one posted on every connection, mostly waiting (and so
+  /// are accepts and connects, counted with them).
   [[nodiscard]] bool in_flight() const noexcept {
     return e_.in_flight_.size() > e_.receives_in_flight_;
   }
 
-  // Before the executor sleeps on due_fd_. The kernel signals it only while it is switched on
-  // (signalling costs a wake-up call in the kernel per completion run), and only when the first of
-  // a run of deferred completions is queued, which may have come before the switch. So: switch it
-  // on, clear it, then enter the kernel to run whatever it deferred, and look at the CQ. The kernel
-  // queues work with a fully ordered exchange on its list, then reads the switch; this thread
-  // writes the switch, then (barrier, system call) reads that list: on any CPU at least one sees
-  // the other, so either the work shows in the CQ now or the kernel signals. (Reading the
-  // IORING_SQ_TASKRUN flag alone would not be ordered on arm64.)
-  // One call runs a limited number of items (20 since Linux 6.13) and keeps the rest, unsignalled,
-  // with IORING_SQ_TASKRUN set again; items that post nothing (a socket receive that got part of
-  // its bytes and waits again) can fill every call. So: go on while the flag says work is left,
-  // up to a bound that covers everything in flight, since the flag can also be left set with
-  // nothing queued, and a stale flag must not keep the executor awake.
+  /// Readies the ring to wake a parking executor; false when completions are due already
+  /// (armable_source).
+  /// Before the executor sleeps on due_fd_. The kernel signals it only while it is switched on
+  /// (signalling costs a wake-up call in the kernel per completion run), and only when the first of
+  /// a run of deferred completions is queued, which may have come before the switch. So: switch it
+  /// on, clear it, then enter the kernel to run whatever it deferred, and look at the CQ. The kernel
+  /// queues work with a fully ordered exchange on its list, then reads the switch; this thread
+  /// writes the switch, then (barrier, system call) reads that list: on any CPU at least one sees
+  /// the other, so either the work shows in the CQ now or the kernel signals. (Reading the
+  /// IORING_SQ_TASKRUN flag alone would not be ordered on arm64.)
+  /// One call runs a limited number of items (20 since Linux 6.13) and keeps the rest, unsignalled,
+  /// with IORING_SQ_TASKRUN set again; items that post nothing (a socket receive that got part of
+  /// its bytes and waits again) can fill every call. So: go on while the flag says work is left,
+  /// up to a bound that covers everything in flight, since the flag can also be left set with
+  /// nothing queued, and a stale flag must not keep the executor awake.
   bool arm() noexcept {
     if (!e_.deferred_) return true;
     ::io_uring_cq_eventfd_toggle(&e_.ring_, true);
@@ -390,7 +410,7 @@ class ring {
     return true;
   }
 
-  // The parts' way in (tcp.hpp composes its connections from it); nothing a user calls.
+  /// The parts' way in (tcp.hpp composes its connections from it); nothing a user calls.
   [[nodiscard]] detail::engine& engine() noexcept { return e_; }
 
  private:

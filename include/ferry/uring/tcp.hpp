@@ -15,13 +15,16 @@
 // How many receives and sends a ring has in flight at once is bounded (ring_options::entries):
 // beyond that, they wait for one in flight to complete.
 //
-// Setting up (listen, accept, connect) is blocking and happens once per peer; only the block
-// traffic goes through the ring.
+// Setting up: tcp_connection::connect and tcp_listener::accept block the calling thread;
+// tcp_connection::connect_async and tcp_listener::accept_async go through the ring (IORING_OP_CONNECT,
+// IORING_OP_ACCEPT) with a deadline the kernel keeps, and give a pending_connection to co_await.
 
 #include <cerrno>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -34,6 +37,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "ferry/detail/made_awaiter.hpp"
 #include "ferry/detail/socket.hpp"
 #include "ferry/transfer.hpp"
 #include "ferry/uring/detail/connection_state.hpp"
@@ -42,25 +46,26 @@
 #include "ferry/uring/detail/op.hpp"
 #include "ferry/uring/detail/receive.hpp"
 #include "ferry/uring/detail/send.hpp"
+#include "ferry/uring/detail/socket_setup.hpp"
 #include "ferry/uring/errors.hpp"
 #include "ferry/uring/frame.hpp"
 #include "ferry/uring/ring.hpp"
 
 namespace ferry::uring {
 
-// Socket settings that must be in place before the handshake, which is why they are options of
-// tcp_connection::connect and tcp_listener rather than something to set on native_handle(). The
-// handshake fixes the window scale and the sender's segment size (at most half the largest window
-// the receiver has offered); a receive buffer shrunk on an established connection then offers
-// windows smaller than one segment, and the sender waits on the kernel's persist and retransmission
-// timers, 0.2 s or more each time (README, io_uring TCP).
+/// Socket settings that must be in place before the handshake, which is why they are options of
+/// tcp_connection::connect and tcp_listener rather than something to set on native_handle(). The
+/// handshake fixes the window scale and the sender's segment size (at most half the largest window
+/// the receiver has offered); a receive buffer shrunk on an established connection then offers
+/// windows smaller than one segment, and the sender waits on the kernel's persist and retransmission
+/// timers, 0.2 s or more each time (README, io_uring TCP).
 struct tcp_options {
-  // SO_SNDBUF and SO_RCVBUF in bytes, as given to setsockopt; 0 leaves the kernel's default (and
-  // its automatic sizing). Linux doubles the value for its bookkeeping (getsockopt reports the
-  // double), clamps it to net.core.wmem_max / rmem_max and raises it to a small minimum; a value
-  // set turns off the automatic sizing of that buffer for the socket.
+  /// SO_SNDBUF and SO_RCVBUF in bytes, as given to setsockopt; 0 leaves the kernel's default (and
+  /// its automatic sizing). Linux doubles the value for its bookkeeping (getsockopt reports the
+  /// double), clamps it to net.core.wmem_max / rmem_max and raises it to a small minimum; a value
+  /// set turns off the automatic sizing of that buffer for the socket.
   int send_buffer = 0;
-  int receive_buffer = 0;
+  int receive_buffer = 0;  ///< SO_RCVBUF in bytes, as send_buffer is SO_SNDBUF (0: the default)
 };
 
 namespace detail {
@@ -99,9 +104,16 @@ using ferry::detail::set_nodelay;
 
 }  // namespace detail
 
+class pending_connection;
+
+/// A TCP connection on a ring: framed blocks (tcp_connection::send, tcp_connection::receive) as
+/// transfers completed by the ring's executor.
+///
+/// Move-only. Closing or destroying it fails the send or receive in flight and cancels the queued
+/// ones; every connection must be gone before its ring.
 class tcp_connection {
  public:
-  // Adopts a connected stream socket (blocking mode).
+  /// Adopts a connected stream socket (blocking mode).
   tcp_connection(ring& r, int connected_fd) : engine_(&r.engine()) {
     if (connected_fd < 0) {
       throw std::invalid_argument("ferry::uring::tcp_connection: descriptor " +
@@ -120,7 +132,7 @@ class tcp_connection {
     engine_->connection_opened();
   }
 
-  // Takes over a socket just connected or accepted: TCP_NODELAY, and closed if adopting it fails.
+  /// Takes over a socket just connected or accepted: TCP_NODELAY, and closed if adopting it fails.
   [[nodiscard]] static tcp_connection adopt_socket(ring& r, int fd) {
     detail::set_nodelay(fd);
     try {
@@ -131,8 +143,8 @@ class tcp_connection {
     }
   }
 
-  // Connects to host:port, blocking until the connection is up or refused; `options` are set on
-  // the socket before it connects.
+  /// Connects to host:port, blocking until the connection is up or refused; `options` are set on
+  /// the socket before it connects.
   [[nodiscard]] static tcp_connection connect(ring& r, const std::string& host, std::uint16_t port,
                                               const tcp_options& options = {}) {
     detail::check_tcp_options(options, "ferry::uring::tcp_connection::connect");
@@ -140,16 +152,30 @@ class tcp_connection {
         "ferry::uring::tcp_connection::connect to " + host + ":" + std::to_string(port);
     const int fd =
         detail::for_each_address(host, port, 0, std::make_error_code(std::errc::invalid_argument),
-                                 "ferry::uring", [&](int s, const addrinfo& a) {
+                                 "ferry::uring", [&](int s, const ferry::detail::resolved_address& a) {
                                    detail::apply_tcp_options(s, options, where);
-                                   return detail::connect_blocking(s, a.ai_addr, a.ai_addrlen);
+                                   return detail::connect_blocking(s, a.raw(), a.length);
                                  });
     if (fd < 0) detail::throw_errno(errno, where);
     return adopt_socket(r, fd);
   }
 
+  /// Connects to host:port through the ring, to co_await: the calling thread does not wait for the
+  /// connection (resolving a host name, not a numeric address, may block it while it is looked up).
+  /// Each address the host resolves to is tried in turn, `options` set on each socket before it
+  /// connects. The pending_connection fails with errc::deadline_exceeded if no connection is made
+  /// within `timeout` (negative: no deadline), with the system's error (ECONNREFUSED, ...) of the
+  /// last address tried, or cancelled by ring::cancel(pending.made()).
+  template <class Rep = std::int64_t, class Period = std::nano>
+  [[nodiscard]] static pending_connection connect_async(
+      ring& r, const std::string& host, std::uint16_t port,
+      std::chrono::duration<Rep, Period> timeout = std::chrono::seconds(10),
+      const tcp_options& options = {});
+
+  /// Takes over `other`'s connection, leaving it closed (is_open() false).
   tcp_connection(tcp_connection&& other) noexcept
       : engine_(other.engine_), state_(std::exchange(other.state_, nullptr)) {}
+  /// Closes its own connection and takes over `other`'s.
   tcp_connection& operator=(tcp_connection&& other) noexcept {
     tcp_connection(std::move(other)).swap(*this);
     return *this;
@@ -157,10 +183,12 @@ class tcp_connection {
   tcp_connection(const tcp_connection&) = delete;
   tcp_connection& operator=(const tcp_connection&) = delete;
 
-  // Shuts the socket down: a send or receive in flight fails, queued ones (and one waiting for room
-  // in the ring) end cancelled, and the descriptor closes once the last of them has completed.
+  /// Shuts the socket down: a send or receive in flight fails, queued ones (and one waiting for room
+  /// in the ring) end cancelled, and the descriptor closes once the last of them has completed.
   ~tcp_connection() { close(); }
 
+  /// Closes the connection now, as the destructor does; later sends and receives fail with
+  /// errc::connection_closed.
   void close() noexcept {
     if (state_ == nullptr) return;
     // Release pairs with the acquire in detail::next_send/next_receive: once the shutdown fails the
@@ -183,12 +211,13 @@ class tcp_connection {
     engine_->connection_closed();
   }
 
+  /// Exchanges the two handles' connections.
   void swap(tcp_connection& other) noexcept {
     std::swap(engine_, other.engine_);
     std::swap(state_, other.state_);
   }
 
-  // Sends one framed block. `payload` must stay valid until the transfer is terminal.
+  /// Sends one framed block. `payload` must stay valid until the transfer is terminal.
   [[nodiscard]] transfer send(std::uint64_t block_id, std::span<const std::byte> payload) {
     if (state_ == nullptr) {
       return make_completed_transfer(transfer_state::failed, errc::connection_closed);
@@ -202,9 +231,9 @@ class tcp_connection {
     return post(o);
   }
 
-  // Receives the next framed block into the front of `dst` and writes its id and length to `out`.
-  // Both must stay valid until the transfer is terminal. A block larger than `dst` fails with
-  // errc::block_too_large (and the connection's receive side with it: the stream is out of step).
+  /// Receives the next framed block into the front of `dst` and writes its id and length to `out`.
+  /// Both must stay valid until the transfer is terminal. A block larger than `dst` fails with
+  /// errc::block_too_large (and the connection's receive side with it: the stream is out of step).
   [[nodiscard]] transfer receive(std::span<std::byte> dst, received_block& out) {
     if (state_ == nullptr) {
       return make_completed_transfer(transfer_state::failed, errc::connection_closed);
@@ -217,7 +246,9 @@ class tcp_connection {
     return post(o);
   }
 
+  /// The socket's descriptor (-1 when closed); the connection still owns it.
   [[nodiscard]] int native_handle() const noexcept { return state_ == nullptr ? -1 : state_->fd; }
+  /// False once closed or moved from.
   [[nodiscard]] bool is_open() const noexcept { return state_ != nullptr; }
 
  private:
@@ -233,61 +264,221 @@ class tcp_connection {
   detail::connection_state* state_ = nullptr;
 };
 
+/// A listening TCP socket: accept() and accept_async() give tcp_connection objects on a ring.
 class tcp_listener {
  public:
-  // Listens on address:port; port 0 picks a free one (see port()). `options` are set on the
-  // listening socket before it listens, and the connections it accepts inherit them.
+  /// Listens on address:port; port 0 picks a free one (see port()). `options` are set on the
+  /// listening socket before it listens, and the connections it accepts inherit them.
   explicit tcp_listener(const std::string& address = "127.0.0.1", std::uint16_t port = 0,
-                        int backlog = 64, const tcp_options& options = {}) {
+                        int backlog = 64, const tcp_options& options = {})
+      : state_(std::make_shared<detail::listener_state>()) {
     detail::check_tcp_options(options, "ferry::uring::tcp_listener");
     const std::string where =
         "ferry::uring::tcp_listener on " + address + ":" + std::to_string(port);
-    fd_ = detail::for_each_address(
+    state_->fd = detail::for_each_address(
         address, port, AI_PASSIVE, std::make_error_code(std::errc::invalid_argument),
-        "ferry::uring", [&](int s, const addrinfo& a) {
+        "ferry::uring", [&](int s, const ferry::detail::resolved_address& a) {
           const int one = 1;
           ::setsockopt(s, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
           detail::apply_tcp_options(s, options, where);
-          return ::bind(s, a.ai_addr, a.ai_addrlen) == 0 && ::listen(s, backlog) == 0;
+          return ::bind(s, a.raw(), a.length) == 0 && ::listen(s, backlog) == 0;
         });
-    if (fd_ < 0) detail::throw_errno(errno, where);
+    if (state_->fd < 0) detail::throw_errno(errno, where);
   }
 
-  tcp_listener(tcp_listener&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  /// Takes over `other`'s socket.
+  tcp_listener(tcp_listener&& other) noexcept = default;
+  /// Stops listening on its own socket (as the destructor does) and takes over `other`'s.
   tcp_listener& operator=(tcp_listener&& other) noexcept {
-    std::swap(fd_, other.fd_);
+    tcp_listener(std::move(other)).swap(*this);
     return *this;
   }
   tcp_listener(const tcp_listener&) = delete;
   tcp_listener& operator=(const tcp_listener&) = delete;
+
+  /// Stops listening. An accept_async still waiting fails with errc::listener_closed.
   ~tcp_listener() {
-    if (fd_ >= 0) ::close(fd_);
+    if (!state_) return;
+    state_->closed.store(true, std::memory_order_release);
+    // Ends the accepts the kernel holds (-EINVAL); the socket closes with the last of them.
+    ::shutdown(state_->fd, SHUT_RDWR);
   }
 
+  /// Exchanges the two listeners' sockets.
+  void swap(tcp_listener& other) noexcept { state_.swap(other.state_); }
+
+  /// The port it listens on (the one chosen, when given 0). Throws std::system_error if
+  /// getsockname fails.
   [[nodiscard]] std::uint16_t port() const {
     sockaddr_storage addr{};
     socklen_t len = sizeof addr;
-    if (::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    if (::getsockname(native_handle(), reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
       detail::throw_errno(errno, "ferry::uring::tcp_listener::port: getsockname");
     }
     if (addr.ss_family == AF_INET6) return ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
     return ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
   }
 
-  // Blocks until a peer connects. A peer that gave up before it was accepted is skipped.
+  /// Blocks until a peer connects. A peer that gave up before it was accepted is skipped.
   [[nodiscard]] tcp_connection accept(ring& r) {
     int fd = -1;
     do {
-      fd = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      fd = ::accept4(native_handle(), nullptr, nullptr, SOCK_CLOEXEC);
     } while (fd < 0 && (errno == EINTR || errno == ECONNABORTED || errno == EPROTO));
     if (fd < 0) detail::throw_errno(errno, "ferry::uring::tcp_listener::accept");
     return tcp_connection::adopt_socket(r, fd);
   }
 
-  [[nodiscard]] int native_handle() const noexcept { return fd_; }
+  /// Accepts the next peer through the ring, to co_await: the calling thread does not wait. Fails
+  /// with errc::deadline_exceeded if no peer connects within `timeout` (negative: no deadline), with
+  /// errc::listener_closed if this listener is destroyed meanwhile, or cancelled by
+  /// ring::cancel(pending.made()). Several may wait at once; each peer goes to one of them.
+  template <class Rep = std::int64_t, class Period = std::nano>
+  [[nodiscard]] pending_connection accept_async(
+      ring& r, std::chrono::duration<Rep, Period> timeout = std::chrono::seconds(10));
+
+  /// The listening socket's descriptor (-1 after a move); the listener owns it.
+  [[nodiscard]] int native_handle() const noexcept { return state_ ? state_->fd : -1; }
 
  private:
-  int fd_ = -1;
+  std::shared_ptr<detail::listener_state> state_;
 };
+
+/// A TCP connection being made through the ring (tcp_connection::connect_async,
+/// tcp_listener::accept_async). co_await it in a coroutine (it resumes on the coroutine's scheduler
+/// with the tcp_connection, or throws std::system_error naming what failed), use made() in a batch
+/// wait beside other transfers, or get() it, which blocks. Dropped without being taken, it closes
+/// the socket it made (or will make).
+class pending_connection {
+ public:
+  /// Takes over `other`'s connection under way.
+  pending_connection(pending_connection&& other) noexcept
+      : ring_(other.ring_),
+        setup_(std::exchange(other.setup_, nullptr)),
+        made_(std::move(other.made_)),
+        what_(std::move(other.what_)) {}
+  /// Lets go of its own connection under way (a socket it made is closed) and takes `other`'s.
+  pending_connection& operator=(pending_connection&& other) noexcept {
+    if (this != &other) {
+      let_go();
+      ring_ = other.ring_;
+      setup_ = std::exchange(other.setup_, nullptr);
+      made_ = std::move(other.made_);
+      what_ = std::move(other.what_);
+    }
+    return *this;
+  }
+  pending_connection(const pending_connection&) = delete;
+  pending_connection& operator=(const pending_connection&) = delete;
+  /// Drops the result: a socket made for it, now or later, is closed.
+  ~pending_connection() { let_go(); }
+
+  /// Ends when the connection is made or cannot be: for a batch wait beside other transfers.
+  [[nodiscard]] const transfer& made() const noexcept { return made_; }
+
+  /// Waits for the connection and takes it. Throws std::system_error naming what failed (its code:
+  /// errc::deadline_exceeded, errc::listener_closed, ferry::errc::cancelled, the system's), or
+  /// std::logic_error if it was taken already, and refuses to wait (std::errc::
+  /// resource_deadlock_would_occur) on the ring's executor thread, which must make the connection.
+  [[nodiscard]] tcp_connection get() {
+    if (!made_.done()) {
+      if (ring_->executor().on_executor_thread()) {
+        throw std::system_error(std::make_error_code(std::errc::resource_deadlock_would_occur),
+                                what_ + ": get() on the ring's executor thread would wait for ever; "
+                                "co_await it instead");
+      }
+      (void)made_.wait();
+    }
+    if (made_.state() != transfer_state::success) throw std::system_error(made_.error(), what_);
+    const int fd = setup_ == nullptr ? -1 : setup_->made.exchange(-1);
+    if (fd < 0) throw std::logic_error(what_ + ": the connection was taken already");
+    std::exchange(setup_, nullptr)->release();
+    return tcp_connection::adopt_socket(*ring_, fd);
+  }
+
+  /// Resumes on the awaiting coroutine's scheduler with the connection, or throws as get() does.
+  using awaiter = ferry::detail::made_awaiter<pending_connection>;
+  ///@{
+  /// `co_await` yields the tcp_connection, or throws std::system_error as get() does.
+  [[nodiscard]] awaiter operator co_await() & { return awaiter(*this); }
+  [[nodiscard]] awaiter operator co_await() && { return awaiter(*this); }
+  ///@}
+
+ private:
+  friend class tcp_connection;
+  friend class tcp_listener;
+
+  // Publishes the connect or accept for `s` on `fd` (a connect's first socket, or the listener's).
+  template <class Rep, class Period>
+  pending_connection(ring& r, const detail::op_handlers& kind, detail::socket_setup* s, int fd,
+                     std::chrono::duration<Rep, Period> timeout, std::string what)
+      : ring_(&r), what_(std::move(what)) {
+    try {
+      made_ = detail::start_setup(r.engine(), kind, s, fd, timeout);  // owns the op's reference
+    } catch (...) {
+      if (kind.kind == detail::op_kind::connect) ::close(fd);  // an accept's is the listener's
+      s->release();
+      throw;
+    }
+    setup_ = s;
+  }
+
+  // Failed before anything was published.
+  pending_connection(ring& r, std::error_code failed, std::string what)
+      : ring_(&r), made_(make_completed_transfer(transfer_state::failed, failed)),
+        what_(std::move(what)) {}
+
+  // Dropped: a socket made already is closed here; one made later by the executor
+  // (detail::end_setup).
+  void let_go() noexcept {
+    if (setup_ == nullptr) return;
+    setup_->dropped.store(true, std::memory_order_seq_cst);
+    const int fd = setup_->made.exchange(-1);
+    if (fd >= 0) ::close(fd);
+    std::exchange(setup_, nullptr)->release();
+  }
+
+  ring* ring_;
+  detail::socket_setup* setup_ = nullptr;
+  transfer made_;
+  std::string what_;
+};
+
+template <class Rep, class Period>
+pending_connection tcp_connection::connect_async(ring& r, const std::string& host,
+                                                 std::uint16_t port,
+                                                 std::chrono::duration<Rep, Period> timeout,
+                                                 const tcp_options& options) {
+  detail::check_tcp_options(options, "ferry::uring::tcp_connection::connect_async");
+  std::string what =
+      "ferry::uring::tcp_connection::connect_async to " + host + ":" + std::to_string(port);
+  auto addresses = ferry::detail::resolve(
+      host, port, 0, std::make_error_code(std::errc::invalid_argument), "ferry::uring");
+  auto* s = new detail::socket_setup;
+  s->addresses = std::move(addresses);
+  s->send_buffer = options.send_buffer;
+  s->receive_buffer = options.receive_buffer;
+  int err = EADDRNOTAVAIL;
+  for (; s->at < s->addresses.size(); ++s->at) {
+    const int fd = detail::open_connect_socket(*s);
+    if (fd >= 0) {
+      return pending_connection(r, detail::connect_handlers, s, fd, timeout, std::move(what));
+    }
+    err = -fd;
+  }
+  delete s;
+  return pending_connection(r, detail::system_error_code(err), std::move(what));
+}
+
+template <class Rep, class Period>
+pending_connection tcp_listener::accept_async(ring& r, std::chrono::duration<Rep, Period> timeout) {
+  std::string what = "ferry::uring::tcp_listener::accept_async";
+  if (!state_) {
+    return pending_connection(r, make_error_code(errc::listener_closed), std::move(what));
+  }
+  auto* s = new detail::socket_setup;
+  s->listener = state_;
+  return pending_connection(r, detail::accept_handlers, s, state_->fd, timeout, std::move(what));
+}
 
 }  // namespace ferry::uring

@@ -96,6 +96,12 @@
 
 namespace ferry::verbs {
 
+/// An opened RDMA adapter: its protection domain, its completion queue and the executor's
+/// completion source for every queue pair made on it.
+///
+/// Make queue pairs (basic_queue_pair) and regions (basic_memory_region) on it; every one of them
+/// must be destroyed before the device (the process aborts otherwise). `P` is the verbs provider:
+/// real_provider (the ferry::verbs::device alias) or fake::provider in tests.
 template <class P>
 class basic_device : detail::qp_setup<P>,
                      detail::arrival<P>,
@@ -105,8 +111,11 @@ class basic_device : detail::qp_setup<P>,
                      detail::peer_checks<P>,
                      detail::teardown<P> {
  public:
-  using provider = P;
+  using provider = P;  ///< the verbs provider the device calls
 
+  /// Opens the adapter (`options.name`, or the first one) and registers with `exec`, which must
+  /// outlive the device. Throws std::runtime_error when there is no such adapter, and
+  /// std::system_error naming the verbs call that failed.
   explicit basic_device(progress_executor& exec, device_options options = {})
       : exec_(exec), options_(std::move(options)) {
     meter_.attach(options_.metrics, {"write", "read"});  // op_kind's order
@@ -124,9 +133,9 @@ class basic_device : detail::qp_setup<P>,
   basic_device(const basic_device&) = delete;
   basic_device& operator=(const basic_device&) = delete;
 
-  // Every queue pair and region handle must be gone. Requests still in flight fail with
-  // errc::backend_shut_down; queue pairs are destroyed (so the adapter stops touching memory) before
-  // the regions their requests held are deregistered.
+  /// Every queue pair and region handle must be gone. Requests still in flight fail with
+  /// errc::backend_shut_down; queue pairs are destroyed (so the adapter stops touching memory) before
+  /// the regions their requests held are deregistered.
   ~basic_device() {
     if (queue_pairs_.load(std::memory_order_acquire) != 0) {
       std::fprintf(stderr,
@@ -171,18 +180,24 @@ class basic_device : detail::qp_setup<P>,
     close_objects();
   }
 
+  /// The executor that polls the device.
   [[nodiscard]] progress_executor& executor() const noexcept { return exec_; }
+  /// The adapter's name (the one opened, when device_options::name was empty).
   [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// The port's LID (0 on RoCE, where GIDs route).
   [[nodiscard]] std::uint16_t lid() const noexcept { return lid_; }
-  // Empty while usable; otherwise why nothing on this device can complete (a CQ error or a fatal
-  // device event).
+  /// Empty while usable; otherwise why nothing on this device can complete (a CQ error or a fatal
+  /// device event).
   [[nodiscard]] std::error_code failure() const noexcept {
     const int f = failure_.load(std::memory_order_acquire);
     return f == 0 ? std::error_code{} : make_error_code(static_cast<errc>(f));
   }
+  /// The provider's context handle (an ibv_context* for real_provider); the device owns it.
   [[nodiscard]] typename P::context_handle native_context() const noexcept { return context_; }
+  /// The provider's handle of the device's completion queue; the device owns it.
   [[nodiscard]] typename P::cq_handle native_cq() const noexcept { return cq_; }
 
+  /// What the device has done so far; any thread.
   [[nodiscard]] device_counters counters() const noexcept {
     device_counters c;
     c.work_requests_posted = this->posted_.load(std::memory_order_relaxed);
@@ -196,6 +211,8 @@ class basic_device : detail::qp_setup<P>,
 
   // --- The executor's side: a completion source parked on the completion channel. ---
 
+  /// Posts what submitters queued and reaps up to `budget` completions; returns how many things it
+  /// handled (completion_source). Called by the executor only.
   std::size_t poll(std::size_t budget) noexcept {
     std::size_t handled = 0;
     if (this->expired_ != nullptr) handled += this->drain_expired();
@@ -211,10 +228,12 @@ class basic_device : detail::qp_setup<P>,
     return handled + reaped;
   }
 
+  /// The completion channel's descriptor, which the executor sleeps on (parkable_source).
   [[nodiscard]] int park_fd() const noexcept { return P::channel_fd(channel_); }
 
-  // Before the executor sleeps: take the events already signalled, ask for the next one, and look
-  // again, since a completion that landed before the request raises no event.
+  /// Arms the completion channel; false when completions arrived meanwhile (armable_source).
+  /// Before the executor sleeps: take the events already signalled, ask for the next one, and look
+  /// again, since a completion that landed before the request raises no event.
   bool arm() noexcept {
     typename P::cq_handle cq{};
     unsigned events = 0;

@@ -12,23 +12,24 @@
 
 namespace ferry::verbs {
 
+/// The verbs backend's own error codes (category "ferry.verbs").
 enum class errc : int {
-  queue_pair_error = 1,   // the queue pair is in the error state
-  queue_pair_fatal,       // IBV_EVENT_QP_FATAL (or a request/access error event) on the queue pair
-  completion_queue_error, // IBV_EVENT_CQ_ERR: the completion queue overran or failed
-  device_fatal,           // IBV_EVENT_DEVICE_FATAL
-  port_down,              // IBV_EVENT_PORT_ERR on the queue pair's port
-  deadline_exceeded,      // the request's deadline passed before its completion arrived
-  batch_exceeds_send_queue,
-  outside_local_region,
-  length_mismatch,
-  message_too_large,
-  queue_pair_closed,
-  not_connected,
-  handshake_failed,
-  queue_pair_timed_out,   // a request's deadline passed in the adapter: the queue pair was flushed
-  peer_unreachable,       // the peer did not answer (IBV_WC_RETRY_EXC_ERR): a check or a request
-  bad_notification,       // a received message is not a ferry notification
+  queue_pair_error = 1,   ///< the queue pair is in the error state
+  queue_pair_fatal,       ///< IBV_EVENT_QP_FATAL (or a request/access error event) on the queue pair
+  completion_queue_error, ///< IBV_EVENT_CQ_ERR: the completion queue overran or failed
+  device_fatal,           ///< IBV_EVENT_DEVICE_FATAL
+  port_down,              ///< IBV_EVENT_PORT_ERR on the queue pair's port
+  deadline_exceeded,      ///< the request's deadline passed before its completion arrived
+  batch_exceeds_send_queue,  ///< a batch needs more work requests than the send queue ever holds
+  outside_local_region,   ///< a local slice is in no region registered on the device
+  length_mismatch,        ///< the local and remote slices differ in length
+  message_too_large,      ///< a slice is larger than max_message_bytes (2 GiB)
+  queue_pair_closed,      ///< the queue pair was closed before the request completed
+  not_connected,          ///< the queue pair is not connected to a peer yet
+  handshake_failed,       ///< the handshake over the TCP side channel failed
+  queue_pair_timed_out,   ///< a request's deadline passed in the adapter: the queue pair was flushed
+  peer_unreachable,       ///< the peer did not answer (IBV_WC_RETRY_EXC_ERR): a check or a request
+  bad_notification,       ///< a received message is not a ferry notification
 };
 
 namespace detail {
@@ -76,11 +77,14 @@ class work_completion_category_impl final : public std::error_category {
 
 }  // namespace detail
 
+/// The category of a failed work completion's ibv_wc_status ("ibv_wc_status"): its message names
+/// the status (IBV_WC_REM_ACCESS_ERR and so on).
 [[nodiscard]] inline const std::error_category& work_completion_category() noexcept {
   static const detail::work_completion_category_impl category;
   return category;
 }
 
+/// The message for `e` (what error_code::message() says); nullptr for a value that is no errc.
 [[nodiscard]] constexpr const char* describe(errc e) noexcept {
   switch (e) {
     case errc::queue_pair_error:
@@ -125,20 +129,23 @@ class work_completion_category_impl final : public std::error_category {
   return nullptr;
 }
 
+/// The category of ferry::verbs::errc, named "ferry.verbs".
 [[nodiscard]] inline const std::error_category& error_category() noexcept {
   return ferry::detail::error_category_of<errc, describe>("ferry.verbs");
 }
 
+/// `e` as a std::error_code in error_category().
 [[nodiscard]] inline std::error_code make_error_code(errc e) noexcept {
   return {static_cast<int>(e), error_category()};
 }
 
-// The error a failed work completion carries.
+/// The error a failed work completion carries.
 [[nodiscard]] inline std::error_code make_error_code(ibv_wc_status status) noexcept {
   return {static_cast<int>(status), work_completion_category()};
 }
 
 }  // namespace ferry::verbs
 
+/// Makes ferry::verbs::errc an error-code enum: it converts to std::error_code and compares with one.
 template <>
 struct std::is_error_code_enum<ferry::verbs::errc> : std::true_type {};

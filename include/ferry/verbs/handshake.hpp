@@ -35,11 +35,11 @@
 
 namespace ferry::verbs {
 
-// A queue pair in RTS and the regions its peer exposed.
+/// A queue pair in RTS and the regions its peer exposed.
 template <class P>
 struct basic_connection {
-  basic_queue_pair<P> qp;
-  std::vector<remote_region> peer_regions;
+  basic_queue_pair<P> qp;  ///< connected and in RTS; its peer has confirmed it is ready
+  std::vector<remote_region> peer_regions;  ///< what the peer exposed, in its order
 };
 
 namespace detail {
@@ -234,7 +234,10 @@ basic_connection<P> handshake(int fd, basic_device<P>& device, std::span<const r
 
 }  // namespace detail
 
-// Connects to a side_channel_listener at host:port and performs the handshake.
+/// Connects to a side_channel_listener at host:port and performs the handshake.
+/// `exposed` are the regions the peer may read and write; one deadline, `timeout`, bounds it all.
+/// Throws std::system_error naming the step that failed (errc::handshake_failed, or the errno of
+/// a socket call: ETIMEDOUT at the deadline).
 template <class P, class Rep = std::int64_t, class Period = std::milli>
 [[nodiscard]] basic_connection<P> connect(basic_device<P>& device, const std::string& host,
                                           std::uint16_t port, std::span<const remote_region> exposed,
@@ -244,9 +247,9 @@ template <class P, class Rep = std::int64_t, class Period = std::milli>
   const auto deadline = ferry::detail::deadline_after(timeout);
   const int fd = ferry::detail::for_each_address(
       host, port, 0, make_error_code(errc::handshake_failed), "ferry::verbs handshake",
-      [&](int s, const addrinfo& a) {
+      [&](int s, const ferry::detail::resolved_address& a) {
         if (!ferry::detail::set_nonblocking(s)) return false;
-        if (::connect(s, a.ai_addr, a.ai_addrlen) == 0) return true;
+        if (::connect(s, a.raw(), a.length) == 0) return true;
         if (errno != EINPROGRESS) return false;
         detail::wait_ready(s, POLLOUT, deadline, "connecting the side channel");
         int err = 0;
@@ -264,17 +267,17 @@ template <class P, class Rep = std::int64_t, class Period = std::milli>
   return detail::handshake(fd, device, exposed, options, deadline);
 }
 
-// The accepting side of the side channel.
+/// The accepting side of the handshake's TCP side channel: accept() connects one peer at a time.
 class side_channel_listener {
  public:
-  // Listens on `address`:`port` (port 0: any free port; see port()).
+  /// Listens on `address`:`port` (port 0: any free port; see port()).
   explicit side_channel_listener(std::uint16_t port = 0, const std::string& address = "127.0.0.1") {
     detail::socket_guard s(ferry::detail::for_each_address(
         address, port, AI_PASSIVE | AI_NUMERICHOST, make_error_code(errc::handshake_failed),
-        "ferry::verbs handshake", [](int fd, const addrinfo& a) {
+        "ferry::verbs handshake", [](int fd, const ferry::detail::resolved_address& a) {
           const int one = 1;
           ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-          return ferry::detail::set_nonblocking(fd) && ::bind(fd, a.ai_addr, a.ai_addrlen) == 0 &&
+          return ferry::detail::set_nonblocking(fd) && ::bind(fd, a.raw(), a.length) == 0 &&
                  ::listen(fd, 16) == 0;
         }));
     if (s.get() < 0) {
@@ -288,9 +291,11 @@ class side_channel_listener {
     socket_ = std::move(s);
   }
 
+  /// The port it listens on (the one chosen, when given 0).
   [[nodiscard]] std::uint16_t port() const noexcept { return port_; }
 
-  // Accepts one peer and performs the handshake.
+  /// Accepts one peer and performs the handshake.
+  /// Waits up to `timeout` for the peer and the whole exchange; throws as connect() does.
   template <class P, class Rep = std::int64_t, class Period = std::milli>
   [[nodiscard]] basic_connection<P> accept(basic_device<P>& device,
                                            std::span<const remote_region> exposed,

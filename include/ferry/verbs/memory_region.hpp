@@ -27,7 +27,7 @@ class basic_memory_region;
 template <class P>
 class basic_queue_pair;
 
-// The default access of a registered region: the peer may read and write it.
+/// The default access of a registered region: the peer may read and write it.
 inline constexpr int default_region_access =
     IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
 
@@ -55,14 +55,18 @@ void region_state<P>::release() noexcept {
 
 }  // namespace detail
 
-// A range of a registered region, to read into or write from.
+/// A range of a registered region, to read into or write from.
 template <class P>
 class basic_local_slice {
  public:
+  /// An empty slice, in no region.
   basic_local_slice() noexcept = default;
 
+  /// The slice's first byte.
   [[nodiscard]] std::byte* data() const noexcept { return data_; }
+  /// Its length in bytes.
   [[nodiscard]] std::size_t size() const noexcept { return length_; }
+  /// The slice as a span.
   [[nodiscard]] std::span<std::byte> bytes() const noexcept { return {data_, length_}; }
 
  private:
@@ -76,21 +80,22 @@ class basic_local_slice {
   std::size_t length_ = 0;
 };
 
-// One member of a batched READ or WRITE.
+/// One member of a batched READ or WRITE.
 template <class P>
 struct basic_rdma_block {
-  basic_local_slice<P> local;
-  remote_slice remote;
+  basic_local_slice<P> local;  ///< this side's memory: written by a READ, read by a WRITE
+  remote_slice remote;         ///< the peer's memory, of the same length
 };
 
-// Registered memory. Requests hold references to it: it is deregistered, and memory it owns freed,
-// only when the handle and every request that used it are gone.
+/// Registered memory. Requests hold references to it: it is deregistered, and memory it owns freed,
+/// only when the handle and every request that used it are gone.
 template <class P>
 class basic_memory_region {
  public:
+  /// An empty handle, registering nothing; only assignment and destruction are valid on it.
   basic_memory_region() noexcept = default;
 
-  // `bytes` of page-aligned, zeroed memory owned by the region.
+  /// `bytes` of page-aligned, zeroed memory owned by the region.
   [[nodiscard]] static basic_memory_region allocate(basic_device<P>& device, std::size_t bytes,
                                                     int access = default_region_access) {
     if (bytes == 0) {
@@ -112,8 +117,8 @@ class basic_memory_region {
     }
   }
 
-  // Registers memory the caller owns; it must outlive the region and every request using it
-  // (in_use() tells when none does).
+  /// Registers memory the caller owns; it must outlive the region and every request using it
+  /// (in_use() tells when none does).
   [[nodiscard]] static basic_memory_region register_memory(basic_device<P>& device,
                                                            std::span<std::byte> memory,
                                                            int access = default_region_access) {
@@ -123,34 +128,44 @@ class basic_memory_region {
     return basic_memory_region(device.register_state(memory.data(), memory.size(), access, false));
   }
 
+  /// Takes `other`'s region, leaving `other` empty.
   basic_memory_region(basic_memory_region&& other) noexcept
       : state_(std::exchange(other.state_, nullptr)) {}
+  /// Lets go of its own region and takes `other`'s.
   basic_memory_region& operator=(basic_memory_region&& other) noexcept {
     basic_memory_region(std::move(other)).swap(*this);
     return *this;
   }
+  /// Lets go of the handle: deregistered (and freed, if owned) once no request holds it either.
   ~basic_memory_region() {
     if (state_ != nullptr) state_->release();
   }
+  /// Exchanges the regions the two handles refer to.
   void swap(basic_memory_region& other) noexcept { std::swap(state_, other.state_); }
 
+  /// The region's first byte.
   [[nodiscard]] std::byte* data() const noexcept { return state_->data; }
+  /// Its length in bytes (as asked; an allocated region's memory is rounded up to whole pages).
   [[nodiscard]] std::size_t size() const noexcept { return state_->size; }
+  /// The region as a span.
   [[nodiscard]] std::span<std::byte> bytes() const noexcept { return {state_->data, state_->size}; }
+  /// The region's local key.
   [[nodiscard]] std::uint32_t lkey() const noexcept { return state_->lkey; }
+  /// The region's remote key, which a peer needs to read or write it (see remote()).
   [[nodiscard]] std::uint32_t rkey() const noexcept { return state_->rkey; }
 
-  // What a peer needs to read or write this region.
+  /// What a peer needs to read or write this region.
   [[nodiscard]] remote_region remote() const noexcept {
     return {reinterpret_cast<std::uintptr_t>(state_->data), state_->size, state_->rkey};
   }
 
-  // True while some request still holds the region.
+  /// True while some request still holds the region.
   [[nodiscard]] bool in_use() const noexcept {
     return state_->refs.load(std::memory_order_acquire) > 1;
   }
 
-  // Throws std::out_of_range when [offset, offset + n) is not inside the region.
+  /// The `n` bytes at `offset` into the region.
+  /// Throws std::out_of_range when [offset, offset + n) is not inside the region.
   [[nodiscard]] basic_local_slice<P> slice(std::size_t offset, std::size_t n) const {
     if (offset > state_->size || n > state_->size - offset) {
       throw std::out_of_range("ferry::verbs::memory_region::slice: bytes [" +
@@ -161,7 +176,7 @@ class basic_memory_region {
     return {state_, state_->data + offset, n};
   }
 
-  // The same, for a span that must lie inside the region.
+  /// The same, for a span that must lie inside the region.
   [[nodiscard]] basic_local_slice<P> slice(std::span<std::byte> part) const {
     const auto begin = reinterpret_cast<std::uintptr_t>(state_->data);
     const auto at = reinterpret_cast<std::uintptr_t>(part.data());

@@ -32,68 +32,78 @@ namespace ferry::verbs {
 template <class P>
 class basic_device;
 
-// An RC queue pair. Destroying the handle moves it to the error state: requests still in flight
-// fail with errc::queue_pair_closed, and the queue pair itself is destroyed once the adapter has
-// flushed them.
+/// An RC queue pair. Destroying the handle moves it to the error state: requests still in flight
+/// fail with errc::queue_pair_closed, and the queue pair itself is destroyed once the adapter has
+/// flushed them.
 template <class P>
 class basic_queue_pair {
  public:
-  using local_slice = basic_local_slice<P>;
-  using rdma_block = basic_rdma_block<P>;
+  using local_slice = basic_local_slice<P>;  ///< a range of a local registered region
+  using rdma_block = basic_rdma_block<P>;    ///< one member of a batch
 
+  /// An empty handle, with no queue pair; only assignment and destruction are valid on it.
   basic_queue_pair() noexcept = default;
 
+  /// A new RC queue pair on `device`, to be connected (connect(), or the handshake). Throws
+  /// std::invalid_argument for options out of range, std::system_error when the adapter refuses it.
   basic_queue_pair(basic_device<P>& device, queue_pair_options options = {})
       : state_(device.create_queue_pair(options)) {}
 
+  /// Takes `other`'s queue pair, leaving `other` empty.
   basic_queue_pair(basic_queue_pair&& other) noexcept : state_(std::exchange(other.state_, nullptr)) {}
+  /// Closes its own queue pair (as the destructor does) and takes `other`'s.
   basic_queue_pair& operator=(basic_queue_pair&& other) noexcept {
     basic_queue_pair(std::move(other)).swap(*this);
     return *this;
   }
+  /// Closes the queue pair: requests in flight fail with errc::queue_pair_closed once flushed.
   ~basic_queue_pair() {
     if (state_ != nullptr) state_->device->close_queue_pair(state_);
   }
+  /// Exchanges the queue pairs the two handles refer to.
   void swap(basic_queue_pair& other) noexcept { std::swap(state_, other.state_); }
 
-  // What the peer needs to connect to this queue pair.
+  /// What the peer needs to connect to this queue pair.
   [[nodiscard]] endpoint_info local_info() const noexcept { return state_->device->local_info(state_); }
 
-  // Brings the queue pair to RTS towards `remote`. Throws std::system_error naming the failed step.
+  /// Brings the queue pair to RTS towards `remote`. Throws std::system_error naming the failed step.
   void connect(const endpoint_info& remote) { state_->device->connect(state_, remote); }
 
-  // Tells the queue pair that its peer has connected too (the handshake does this itself), so that
-  // peer checks may start before anything has come back from it: a check towards a peer not yet
-  // connected would fail and take the queue pair down.
+  /// Tells the queue pair that its peer has connected too (the handshake does this itself), so that
+  /// peer checks may start before anything has come back from it: a check towards a peer not yet
+  /// connected would fail and take the queue pair down.
   void mark_peer_connected() noexcept { state_->peer_up.store(true, std::memory_order_relaxed); }
 
+  /// The queue pair's number (what local_info() tells the peer).
   [[nodiscard]] std::uint32_t qp_num() const noexcept { return state_->qp_num; }
+  /// The provider's handle (an ibv_qp* for real_provider); the queue pair still owns it.
   [[nodiscard]] typename P::qp_handle native_handle() const noexcept { return state_->qp; }
 
-  // Empty while usable; otherwise why nothing more can be posted.
+  /// Empty while usable; otherwise why nothing more can be posted.
   [[nodiscard]] std::error_code error() const noexcept {
     const int b = state_->broken.load(std::memory_order_acquire);
     return b == 0 ? std::error_code{} : make_error_code(static_cast<errc>(b));
   }
 
-  // Work requests the send queue holds (queue_pair_options::send_depth, or less where the adapter
-  // granted less): the largest batch a read_batch or write_batch takes.
+  /// Work requests the send queue holds (queue_pair_options::send_depth, or less where the adapter
+  /// granted less): the largest batch a read_batch or write_batch takes.
   [[nodiscard]] std::uint32_t send_depth() const noexcept { return state_->send_depth; }
 
-  // Free send-queue slots right now.
+  /// Free send-queue slots right now.
   [[nodiscard]] std::int64_t send_credits() const noexcept {
     return state_->credits.load(std::memory_order_relaxed);
   }
 
-  // One-sided WRITE of `src` into the peer's `dst` (same length). `timeout` (negative: none) bounds
-  // the wait for the completion. When the send queue is full these back off up to the queue pair's
-  // admission timeout; the try_ forms return nullopt instead.
+  /// One-sided WRITE of `src` into the peer's `dst` (same length). `timeout` (negative: none) bounds
+  /// the wait for the completion. When the send queue is full these back off up to the queue pair's
+  /// admission timeout; the try_ forms return nullopt instead.
   template <class Rep = std::int64_t, class Period = std::nano>
   [[nodiscard]] transfer write(local_slice src, remote_slice dst,
                                std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {
     return admitted([&] { return try_write(src, dst, timeout); });
   }
 
+  /// write() without backing off: nullopt when the send queue is full.
   template <class Rep = std::int64_t, class Period = std::nano>
   [[nodiscard]] std::optional<transfer> try_write(local_slice src, remote_slice dst,
       std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {
@@ -101,13 +111,14 @@ class basic_queue_pair {
     return try_single(IBV_WR_RDMA_WRITE, b, detail_timeout(timeout));
   }
 
-  // One-sided READ of the peer's `src` into `dst` (same length).
+  /// One-sided READ of the peer's `src` into `dst` (same length).
   template <class Rep = std::int64_t, class Period = std::nano>
   [[nodiscard]] transfer read(local_slice dst, remote_slice src,
                               std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {
     return admitted([&] { return try_read(dst, src, timeout); });
   }
 
+  /// read() without backing off: nullopt when the send queue is full.
   template <class Rep = std::int64_t, class Period = std::nano>
   [[nodiscard]] std::optional<transfer> try_read(local_slice dst, remote_slice src,
       std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {
@@ -115,24 +126,25 @@ class basic_queue_pair {
     return try_single(IBV_WR_RDMA_READ, b, detail_timeout(timeout));
   }
 
-  // A batch posted as one linked list of work requests, only the last signalled, with one deadline:
-  // out[i] is blocks[i]'s transfer. An error completion fails every member still pending.
+  /// A batch posted as one linked list of work requests, only the last signalled, with one deadline:
+  /// out[i] is blocks[i]'s transfer. An error completion fails every member still pending.
   template <class Rep = std::int64_t, class Period = std::nano>
   void write_batch(std::span<const rdma_block> blocks, std::span<transfer> out,
                    std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {
     batch(IBV_WR_RDMA_WRITE, blocks, out, detail_timeout(timeout));
   }
 
+  /// write_batch's READ counterpart: each block's remote slice is read into its local one.
   template <class Rep = std::int64_t, class Period = std::nano>
   void read_batch(std::span<const rdma_block> blocks, std::span<transfer> out,
                   std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {
     batch(IBV_WR_RDMA_READ, blocks, out, detail_timeout(timeout));
   }
 
-  // A small inline SEND carrying `value`. RC delivers it after every WRITE posted before it on this
-  // queue pair has landed, so the peer's receive_notification tells it that its data is there. It
-  // covers only WRITEs the queue pair accepted: one whose transfer came back already failed (bad
-  // input, a full send queue) never went, so check those before notifying.
+  /// A small inline SEND carrying `value`. RC delivers it after every WRITE posted before it on this
+  /// queue pair has landed, so the peer's receive_notification tells it that its data is there. It
+  /// covers only WRITEs the queue pair accepted: one whose transfer came back already failed (bad
+  /// input, a full send queue) never went, so check those before notifying.
   template <class Rep = std::int64_t, class Period = std::nano>
   [[nodiscard]] transfer send_notification(std::uint64_t value,
       std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {
@@ -162,8 +174,8 @@ class basic_queue_pair {
     });
   }
 
-  // The next notification the peer sent, in order; `value` is written before the transfer succeeds,
-  // so it must stay valid until the transfer is terminal (a deadline bounds that wait).
+  /// The next notification the peer sent, in order; `value` is written before the transfer succeeds,
+  /// so it must stay valid until the transfer is terminal (a deadline bounds that wait).
   template <class Rep = std::int64_t, class Period = std::nano>
   [[nodiscard]] transfer receive_notification(std::uint64_t& value,
       std::chrono::duration<Rep, Period> timeout = std::chrono::nanoseconds(-1)) {

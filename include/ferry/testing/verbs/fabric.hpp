@@ -70,20 +70,26 @@
 
 namespace ferry::verbs::fake {
 
+/// The in-process RDMA fabric behind fake::provider: tests add devices and inject faults here.
+///
+/// One per process (instance()), never destroyed. It models RC hardware: a NIC thread executes
+/// posted work requests in order per queue pair, checks keys as an adapter does and pushes
+/// completions (see the top of testing/verbs/fabric.hpp for what it models and what it does not).
 class fabric : data_calls {
  public:
   fabric(const fabric&) = delete;
   fabric& operator=(const fabric&) = delete;
 
-  // Never destroyed, so that verbs calls from other static destructors stay valid; the stopper,
-  // constructed after it, joins the NIC thread at exit.
+  /// The one fabric of the process, made on first use.
+  /// Never destroyed, so that verbs calls from other static destructors stay valid; the stopper,
+  /// constructed after it, joins the NIC thread at exit.
   [[nodiscard]] static fabric& instance() {
     static fabric* const f = new fabric;
     static const nic_stopper stopper{*f};
     return *f;
   }
 
-  // Adds a device with one active InfiniBand port; adding a name twice changes nothing.
+  /// Adds a device with one active InfiniBand port; adding a name twice changes nothing.
   void add_device(const std::string& name) {
     std::lock_guard lock(mutex_);
     if (find_device(name) != nullptr) return;
@@ -93,18 +99,19 @@ class fabric : data_calls {
     devices_.push_back(std::move(d));
   }
 
-  // While paused the NIC executes, flushes and completes nothing; resume carries on from there.
+  /// While paused the NIC executes, flushes and completes nothing; resume carries on from there.
   void pause() {
     std::lock_guard lock(mutex_);
     paused_ = true;
   }
+  /// Lets the NIC go on from where pause() stopped it.
   void resume() {
     std::lock_guard lock(mutex_);
     paused_ = false;
     wake();
   }
 
-  // The queue pair goes to the error state (its requests are flushed) with IBV_EVENT_QP_FATAL.
+  /// The queue pair goes to the error state (its requests are flushed) with IBV_EVENT_QP_FATAL.
   void inject_qp_fatal(qp* q) {
     std::lock_guard lock(mutex_);
     q->state_ = IBV_QPS_ERR;
@@ -112,14 +119,14 @@ class fabric : data_calls {
     wake();
   }
 
-  // The completion queue takes no more completions, with IBV_EVENT_CQ_ERR.
+  /// The completion queue takes no more completions, with IBV_EVENT_CQ_ERR.
   void inject_cq_error(cq* c) {
     std::lock_guard lock(mutex_);
     fail(*c);
   }
 
-  // IBV_EVENT_PORT_ERR on every context of the device; its queue pairs' requests, and requests
-  // towards them, then wait until the port comes back (moving a queue pair to ERR still flushes).
+  /// IBV_EVENT_PORT_ERR on every context of the device; its queue pairs' requests, and requests
+  /// towards them, then wait until the port comes back (moving a queue pair to ERR still flushes).
   void inject_port_down(context* c) {
     std::lock_guard lock(mutex_);
     device& d = *c->device_;
@@ -128,7 +135,7 @@ class fabric : data_calls {
     post_device_event(d, IBV_EVENT_PORT_ERR);
   }
 
-  // IBV_EVENT_PORT_ACTIVE on every context of the device, and the waiting requests go on.
+  /// IBV_EVENT_PORT_ACTIVE on every context of the device, and the waiting requests go on.
   void inject_port_up(context* c) {
     std::lock_guard lock(mutex_);
     device& d = *c->device_;
@@ -138,8 +145,8 @@ class fabric : data_calls {
     wake();
   }
 
-  // IBV_EVENT_DEVICE_FATAL on every context of the device, which from then on completes nothing,
-  // flushes included, and fails posts and creations with EIO.
+  /// IBV_EVENT_DEVICE_FATAL on every context of the device, which from then on completes nothing,
+  /// flushes included, and fails posts and creations with EIO.
   void inject_device_fatal(context* c) {
     std::lock_guard lock(mutex_);
     device& d = *c->device_;
@@ -148,30 +155,33 @@ class fabric : data_calls {
     post_device_event(d, IBV_EVENT_DEVICE_FATAL);
   }
 
-  // While on, the queue pair's requests still execute but their completions are lost, flushes
-  // included, so they stay outstanding.
+  /// While on, the queue pair's requests still execute but their completions are lost, flushes
+  /// included, so they stay outstanding.
   void drop_completions(qp* q, bool on) {
     std::lock_guard lock(mutex_);
     q->drop_completions_ = on;
   }
 
+  /// Send work requests posted so far, on every queue pair.
   [[nodiscard]] std::uint64_t posted_send_wrs() const noexcept {
     return posted_send_wrs_.load(std::memory_order_relaxed);
   }
+  /// Completions pushed into completion queues so far.
   [[nodiscard]] std::uint64_t completions_pushed() const noexcept {
     return completions_pushed_.load(std::memory_order_relaxed);
   }
-  // When the adapter last pushed a completion: benchmarks time completion → resume from it.
+  /// When the adapter last pushed a completion: benchmarks time completion → resume from it.
   [[nodiscard]] std::chrono::steady_clock::time_point last_completion_pushed_at() const noexcept {
     return std::chrono::steady_clock::time_point(
         std::chrono::steady_clock::duration(last_push_.load(std::memory_order_acquire)));
   }
+  /// Send requests of `q` still outstanding (executed or not, their completions not yet polled).
   [[nodiscard]] std::size_t outstanding_sends(qp* q) const {
     std::lock_guard lock(mutex_);
     return q->sq_.size();
   }
-  // Contexts, protection domains, memory regions, channels, completion queues and queue pairs not
-  // yet destroyed, for tests that check nothing leaked.
+  /// Contexts, protection domains, memory regions, channels, completion queues and queue pairs not
+  /// yet destroyed, for tests that check nothing leaked.
   [[nodiscard]] std::size_t live_objects() const {
     std::lock_guard lock(mutex_);
     return contexts_.size() + pds_.size() + mrs_.size() + channels_.size() + cqs_.size() +

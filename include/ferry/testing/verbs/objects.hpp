@@ -24,11 +24,13 @@ class data_calls;
 class qp;
 class cq;
 
+/// An asynchronous event of the fake fabric, as the provider's get_async_event returns it.
 using event = basic_async_event<qp*, cq*>;
 
 // The objects the provider's handles point to. Only the fabric looks inside, under its mutex, except
 // for the fields that never change after creation (keys, numbers, descriptors).
 
+/// A fake adapter (fabric::add_device): one InfiniBand port, which fault injection can take down.
 class device {
   friend class fabric;
   friend class fabric_state;
@@ -42,6 +44,7 @@ class device {
   bool fatal_ = false;
 };
 
+/// An opened device (provider::open_device): its asynchronous events and the objects made on it.
 class context {
   friend class fabric;
   friend class fabric_state;
@@ -55,6 +58,7 @@ class context {
   std::size_t users_ = 0;  // protection domains, channels and completion queues
 };
 
+/// A protection domain of the fake fabric.
 class pd {
   friend class fabric;
   friend class fabric_state;
@@ -65,6 +69,7 @@ class pd {
   std::size_t users_ = 0;  // memory regions and queue pairs
 };
 
+/// A registered memory region of the fake fabric: its range, access and keys.
 class mr {
   friend class fabric;
   friend class fabric_state;
@@ -80,6 +85,7 @@ class mr {
   std::uint32_t rkey_ = 0;
 };
 
+/// A completion channel of the fake fabric, with a real descriptor to sleep on.
 class channel {
   friend class fabric;
   friend class fabric_state;
@@ -93,13 +99,15 @@ class channel {
   std::size_t users_ = 0;  // completion queues
 };
 
+/// A work completion waiting in a fake completion queue.
 struct completion {
-  ibv_wc wc{};
-  qp* owner = nullptr;
-  std::uint64_t seq = 0;  // the send request's sequence number; polling it releases it and older ones
-  bool send = false;
+  ibv_wc wc{};  ///< what poll_cq hands back
+  qp* owner = nullptr;  ///< the queue pair it belongs to
+  std::uint64_t seq = 0;  ///< the send request's sequence number; polling it releases it and older ones
+  bool send = false;  ///< a send request's completion (false: a receive's)
 };
 
+/// A completion queue of the fake fabric: its capacity is real, and it fails when it would overrun.
 class cq {
   friend class fabric;
   friend class fabric_state;
@@ -121,24 +129,27 @@ class cq {
   std::size_t users_ = 0;  // queue pairs
 };
 
+/// A send work request as the fake fabric keeps it, copied from the posted ibv_send_wr.
 struct send_request {
-  std::uint64_t seq = 0;
-  std::uint64_t wr_id = 0;
-  ibv_wr_opcode opcode = IBV_WR_SEND;
-  unsigned flags = 0;
-  std::vector<ibv_sge> sges;         // not used when inline
-  std::vector<std::byte> inline_data;
-  std::size_t length = 0;
-  std::uint64_t remote_addr = 0;
-  std::uint32_t rkey = 0;
-  std::uint32_t imm = 0;  // network byte order, as posted
+  std::uint64_t seq = 0;  ///< its sequence number on the queue pair
+  std::uint64_t wr_id = 0;  ///< the caller's wr_id
+  ibv_wr_opcode opcode = IBV_WR_SEND;  ///< RDMA WRITE, READ, SEND, ...
+  unsigned flags = 0;  ///< the ibv_send_flags posted
+  std::vector<ibv_sge> sges;         ///< not used when inline
+  std::vector<std::byte> inline_data;  ///< the bytes of an inline send, copied at post time
+  std::size_t length = 0;  ///< total bytes
+  std::uint64_t remote_addr = 0;  ///< the peer's address, for RDMA operations
+  std::uint32_t rkey = 0;  ///< the peer's remote key, for RDMA operations
+  std::uint32_t imm = 0;  ///< network byte order, as posted
 };
 
+/// A receive work request as the fake fabric keeps it.
 struct receive_request {
-  std::uint64_t wr_id = 0;
-  std::vector<ibv_sge> sges;
+  std::uint64_t wr_id = 0;  ///< the caller's wr_id
+  std::vector<ibv_sge> sges;  ///< where a received message goes
 };
 
+/// A reliable-connected queue pair of the fake fabric, with its send and receive queues.
 class qp {
   friend class fabric;
   friend class fabric_state;

@@ -241,10 +241,10 @@ struct connection {
     l->eng = &s;
     const int fd = ferry::detail::for_each_address(
         host, port, AI_PASSIVE, make_error_code(std::errc::invalid_argument),
-        "ferry::ucx::worker::listen", [](int candidate, const addrinfo& a) {
+        "ferry::ucx::worker::listen", [](int candidate, const ferry::detail::resolved_address& a) {
           const int one = 1;
           (void)::setsockopt(candidate, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-          return ::bind(candidate, a.ai_addr, a.ai_addrlen) == 0 && ::listen(candidate, 128) == 0 &&
+          return ::bind(candidate, a.raw(), a.length) == 0 && ::listen(candidate, 128) == 0 &&
                  ferry::detail::set_nonblocking(candidate);
         });
     if (fd < 0) return {errno, std::system_category()};
@@ -350,9 +350,9 @@ struct connection {
     try {
       fd = ferry::detail::for_each_address(
           r->host, r->port, 0, make_error_code(std::errc::invalid_argument),
-          "resolving the host", [](int candidate, const addrinfo& a) {
+          "resolving the host", [](int candidate, const ferry::detail::resolved_address& a) {
             return ferry::detail::set_nonblocking(candidate) &&
-                   (::connect(candidate, a.ai_addr, a.ai_addrlen) == 0 || errno == EINPROGRESS);
+                   (::connect(candidate, a.raw(), a.length) == 0 || errno == EINPROGRESS);
           });
     } catch (const std::system_error& e) {
       note(r, e.what());

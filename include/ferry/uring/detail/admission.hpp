@@ -2,10 +2,10 @@
 // The io_uring ring's bound on what is in flight, and the lines that wait for room.
 //
 // At most as many operations are in flight as the completion queue has entries (cancel requests
-// included), so the CQ never overflows; beyond that, submissions wait in backlogs, one per kind,
+// and the deadlines linked to connects and accepts included), so the CQ never overflows; beyond that, submissions wait in backlogs, one per kind,
 // served in order of arrival as each kind's share allows. Part of the queue is kept for cancel
 // requests, so a cancel always reaches the kernel. Socket operations wait on a peer for as long as
-// it takes, so receives and sends may each use at most half of the rest, and three quarters
+// it takes, so receives (with connects and accepts) and sends may each use at most half of the rest, and three quarters
 // together: file I/O always finds room, and so do sends beside idle receives. An operation that
 // goes on from where it stopped (the rest of a short transfer, a retry after EINTR) keeps its
 // place: it is issued again at once, or first in line, never behind later work (engine::resume).
@@ -34,13 +34,20 @@ struct admission {
   // peer indefinitely, never take more than half of the rest each and three quarters together, so
   // file I/O always gets in, and sends get in beside receives (and receives beside sends).
   [[nodiscard]] bool has_room(op_kind kind) const noexcept {
-    if (in_flight_.size() + cancels_in_flight_ >= limit_) return false;
+    if (outstanding() >= limit_) return false;
     if (kind == op_kind::cancel) return cancels_in_flight_ < cancel_room_;
-    if (in_flight_.size() >= limit_ - cancel_room_) return false;
+    // A connect or an accept brings its deadline: two completions.
+    const unsigned completions = kind == op_kind::connect || kind == op_kind::accept ? 2 : 1;
+    if (in_flight_.size() + deadlines_in_flight_ + completions > limit_ - cancel_room_) return false;
     const bool socket_room = receives_in_flight_ + sends_in_flight_ < socket_room_;
-    if (kind == op_kind::receive) return socket_room && receives_in_flight_ < socket_kind_room_;
+    if (waits_on_peer(kind)) return socket_room && receives_in_flight_ < socket_kind_room_;
     if (kind == op_kind::send) return socket_room && sends_in_flight_ < socket_kind_room_;
     return true;
+  }
+
+  // Completions the kernel still owes: operations, cancel requests and linked deadlines.
+  [[nodiscard]] std::size_t outstanding() const noexcept {
+    return in_flight_.size() + cancels_in_flight_ + deadlines_in_flight_;
   }
 
   // `o` has gone to the kernel.
@@ -48,7 +55,7 @@ struct admission {
     if (o->kind == op_kind::cancel) {
       ++cancels_in_flight_;
     } else {
-      if (o->kind == op_kind::receive) ++receives_in_flight_;
+      if (waits_on_peer(o->kind)) ++receives_in_flight_;
       if (o->kind == op_kind::send) ++sends_in_flight_;
       o->slot = in_flight_.size();
       in_flight_.push_back(o);
@@ -61,7 +68,7 @@ struct admission {
       --cancels_in_flight_;
       return;
     }
-    if (o->kind == op_kind::receive) --receives_in_flight_;
+    if (waits_on_peer(o->kind)) --receives_in_flight_;
     if (o->kind == op_kind::send) --sends_in_flight_;
     op* last = in_flight_.back();
     in_flight_[o->slot] = last;
@@ -77,7 +84,7 @@ struct admission {
 
   [[nodiscard]] op_queue<op>& backlog_for(const op* o) noexcept {
     if (o->kind == op_kind::cancel) return cancel_backlog_;
-    if (o->kind == op_kind::receive) return receive_backlog_;
+    if (waits_on_peer(o->kind)) return receive_backlog_;
     if (o->kind == op_kind::send) return send_backlog_;
     return file_backlog_;
   }
@@ -103,6 +110,7 @@ struct admission {
   unsigned cancels_in_flight_ = 0;
   unsigned receives_in_flight_ = 0;
   unsigned sends_in_flight_ = 0;
+  unsigned deadlines_in_flight_ = 0;  // linked to connects and accepts (user data 1)
   unsigned cancel_room_ = 1;       // CQ entries only cancels may use
   unsigned socket_kind_room_ = 1;  // the most socket receives, or sends, in flight at once
   unsigned socket_room_ = 2;       // the most socket receives and sends in flight together

@@ -8,6 +8,7 @@
 
 #include <liburing.h>
 
+#include <cerrno>
 #include <cstdint>
 
 #include "ferry/transfer.hpp"
@@ -64,7 +65,12 @@ inline void cancel_group_frame(engine& e, connection_state* conn, unsigned i, op
 // the stream is out of step.
 inline void cancel_backlogged(engine& e, op* o) noexcept {
   connection_state* c = o->connection;
-  if (c == nullptr) return e.finish_cancelled(o);  // a file's, perhaps between two parts
+  if (c == nullptr) {
+    // A file's (perhaps between two parts), a connect's or an accept's: it ends as it would have
+    // in the kernel, by its kind's completion with -ECANCELED.
+    o->cancel_requested = true;
+    return o->handlers->complete(e, o, -ECANCELED);
+  }
   if (o->kind == op_kind::send) {  // `o` leads the group
     o->frame_cancel = true;
     return end_send_group(e, c, true, {});

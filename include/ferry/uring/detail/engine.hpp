@@ -185,7 +185,9 @@ class engine : public admission {
     }
   }
 
-  // Prepares an SQE for `o` if both the CQ bound and the SQ allow it.
+  // Prepares an SQE for `o` if both the CQ bound and the SQ allow it; a connect or accept with a
+  // deadline takes two, linked: the operation and its IORING_OP_LINK_TIMEOUT, which cancels it
+  // (-ECANCELED) at the deadline. Either way the timeout's own completion comes back too.
   bool issue(op* o) noexcept {
     if (!has_room(o->kind)) return false;
     if (o->kind == op_kind::cancel) {
@@ -196,10 +198,25 @@ class engine : public admission {
         return true;
       }
     }
-    io_uring_sqe* sqe = next_sqe();
+    io_uring_sqe* sqe = nullptr;
+    if (o->linked_deadline) {
+      // Both in one submission: a link cut at a submission's end would lose the deadline.
+      if (::io_uring_sq_space_left(&ring_) < 2) flush();
+      if (::io_uring_sq_space_left(&ring_) < 2) return false;
+      sqe = ::io_uring_get_sqe(&ring_);
+    } else {
+      sqe = next_sqe();
+    }
     if (sqe == nullptr) return false;
     o->handlers->prepare(sqe, o);
     ::io_uring_sqe_set_data(sqe, o);
+    if (o->linked_deadline) {
+      sqe->flags |= IOSQE_IO_LINK;
+      io_uring_sqe* timeout = ::io_uring_get_sqe(&ring_);
+      ::io_uring_prep_link_timeout(timeout, &o->deadline, IORING_TIMEOUT_ABS);
+      ::io_uring_sqe_set_data64(timeout, linked_deadline_data);
+      ++deadlines_in_flight_;
+    }
     if (submit_batch_ != 0 && ::io_uring_sq_ready(&ring_) >= submit_batch_) flush();
     admit(o);
     return true;
@@ -228,6 +245,10 @@ class engine : public admission {
       for (unsigned i = 0; i < n; ++i) {
         if (taken[i].data == 0) {  // a cancel made by cancel_everything() (teardown.hpp)
           --cancels_in_flight_;
+          continue;
+        }
+        if (taken[i].data == linked_deadline_data) {  // its operation ends by its own completion
+          --deadlines_in_flight_;
           continue;
         }
         complete(reinterpret_cast<op*>(taken[i].data), taken[i].res);
@@ -274,6 +295,7 @@ class engine : public admission {
   }
 
   void record(const op* o, transfer_state to) noexcept {
+    if (o->kind > op_kind::receive) return;  // metered: read through receive (meter())
     std::uint64_t bytes = o->done;
     if (o->kind == op_kind::send) bytes = o->parts[1].iov_len;
     if (o->kind == op_kind::receive) bytes = o->received != nullptr ? o->received->length : 0;

@@ -176,10 +176,10 @@ inline constexpr op_handlers writev_handlers{op_kind::writev, start_on_arrival, 
   return t;
 }
 
-template <class Buffer, class Offset>
-void submit_batch(engine& e, const op_handlers& kind, file_ref file, std::size_t n,
-                  std::span<transfer> out, const fixed_buffer* registered, Buffer buffer_of,
-                  Offset offset_of) {
+template <class Blocks>
+void submit_batch(engine& e, const op_handlers& kind, file_ref file, Blocks blocks,
+                  std::span<transfer> out, const fixed_buffer* registered) {
+  const std::size_t n = blocks.size();
   if (out.size() < n) {
     throw std::invalid_argument("ferry::uring::ring: batch output span holds " +
                                 std::to_string(out.size()) + " transfers for " +
@@ -190,7 +190,17 @@ void submit_batch(engine& e, const op_handlers& kind, file_ref file, std::size_t
   op* oldest = nullptr;
   try {
     for (std::size_t i = 0; i < n; ++i) {
-      const auto [data, length] = buffer_of(i);
+      const auto& block = blocks[i];
+      std::byte* data = nullptr;
+      std::size_t length = 0;
+      if constexpr (requires { block.dst; }) {
+        data = block.dst.data();
+        length = block.dst.size();
+      } else {
+        data = const_cast<std::byte*>(block.src.data());
+        length = block.src.size();
+      }
+      if (block.transferred != nullptr) *block.transferred = 0;
       if (length == 0) {
         out[i] = make_completed_transfer(transfer_state::failed, ferry::errc::empty_buffer);
         continue;
@@ -207,7 +217,8 @@ void submit_batch(engine& e, const op_handlers& kind, file_ref file, std::size_t
       o->buffer_index = registered == nullptr ? -1 : static_cast<int>(registered->index);
       o->buffer = data;
       o->length = length;
-      o->offset = offset_of(i);
+      o->offset = block.offset;
+      o->transferred = block.transferred;
       out[i] = engine::attach(o);
       o->next = newest;
       newest = o;
@@ -223,17 +234,12 @@ void submit_batch(engine& e, const op_handlers& kind, file_ref file, std::size_t
 
 inline void batch_reads(engine& e, file_ref file, std::span<const read_block> blocks,
                         std::span<transfer> out, const fixed_buffer* registered) {
-  submit_batch(e, read_handlers, file, blocks.size(), out, registered, [&](std::size_t i) {
-    return std::pair<std::byte*, std::size_t>{blocks[i].dst.data(), blocks[i].dst.size()};
-  }, [&](std::size_t i) { return blocks[i].offset; });
+  submit_batch(e, read_handlers, file, blocks, out, registered);
 }
 
 inline void batch_writes(engine& e, file_ref file, std::span<const write_block> blocks,
                          std::span<transfer> out, const fixed_buffer* registered) {
-  submit_batch(e, write_handlers, file, blocks.size(), out, registered, [&](std::size_t i) {
-    return std::pair<std::byte*, std::size_t>{const_cast<std::byte*>(blocks[i].src.data()),
-                                              blocks[i].src.size()};
-  }, [&](std::size_t i) { return blocks[i].offset; });
+  submit_batch(e, write_handlers, file, blocks, out, registered);
 }
 
 }  // namespace ferry::uring::detail

@@ -26,11 +26,22 @@ using ferry::detail::status_block;
 // The kinds the engine tells apart for room in the ring (admission.hpp); everything else a kind
 // does is in its handlers.
 enum class op_kind : std::uint8_t {
-  read, write, readv, writev, send, receive, cancel, detach, call, shutdown
+  read, write, readv, writev, send, receive, cancel, detach, call, shutdown, connect, accept
 };
+
+// A connect or an accept waits on a peer, as a receive does: it takes its room from the receives'
+// share (admission.hpp).
+[[nodiscard]] constexpr bool waits_on_peer(op_kind k) noexcept {
+  return k == op_kind::receive || k == op_kind::connect || k == op_kind::accept;
+}
+
+// The user data of a deadline linked to a connect or an accept (IORING_OP_LINK_TIMEOUT): no op of
+// its own (ops are aligned, so never at address 1), and 0 is cancel_everything()'s.
+inline constexpr std::uint64_t linked_deadline_data = 1;
 
 class engine;
 struct connection_state;
+struct socket_setup;
 struct op;
 
 // One kind's part in each step, on the executor thread. `prepare`, `complete` and `refuse` (for an
@@ -52,6 +63,7 @@ struct op_body {
   bool cancelled_at_shutdown = false;
   bool receiving_payload = false;  // a receive has its header and is filling the payload
   bool frame_cancel = false;       // a send frame cancel() named (cancel_requested: its group's SQE)
+  bool linked_deadline = false;    // a connect or accept: `deadline` goes with it, linked
   int fd = -1;
   int buffer_index = -1;
   std::uint32_t iov_count = 0;
@@ -68,6 +80,7 @@ struct op_body {
   const iovec* iov = nullptr;
   connection_state* connection = nullptr;
   received_block* received = nullptr;
+  socket_setup* setup = nullptr;  // a connect or an accept: what it is making (socket_setup.hpp)
   std::size_t* transferred = nullptr;  // a read or write's caller learns `done` here, when it ends
   op* target = nullptr;  // for a cancel: the operation it asks the kernel to cancel
   int (*call)(void*) noexcept = nullptr;  // a call: run on the executor thread, returns -errno or 0
@@ -75,6 +88,7 @@ struct op_body {
   op* next = nullptr;    // submission stack, backlog and connection queues
   frame_header header;
   iovec parts[2]{};  // a send: header and payload; a receive: parts[1] is the destination
+  __kernel_timespec deadline{};  // with linked_deadline: CLOCK_MONOTONIC, absolute
 };
 
 struct op : op_body {

@@ -34,11 +34,12 @@ inline constexpr op_handlers shutdown_handlers{op_kind::shutdown, begin_closing,
                                                nullptr};
 
 // One cancel per operation the kernel holds, as CQ room allows (every kernel has these;
-// CANCEL_ANY is 5.19+). Their completions carry user data 0.
+// CANCEL_ANY is 5.19+). Their completions carry user data 0. A cancelled connect or accept takes its
+// linked deadline with it.
 inline void cancel_everything(engine& e) noexcept {
   for (op* o : e.in_flight_) {
     if (o->cancelled_at_shutdown) continue;
-    if (e.in_flight_.size() + e.cancels_in_flight_ >= e.limit_) break;
+    if (e.outstanding() >= e.limit_) break;
     io_uring_sqe* sqe = e.next_sqe();
     if (sqe == nullptr) break;
     ::io_uring_prep_cancel64(sqe, reinterpret_cast<std::uintptr_t>(o), 0);
@@ -59,7 +60,7 @@ inline void go_on_closing(engine& e) noexcept {
   e.fail_backlogs();
   cancel_everything(e);
   e.flush();
-  if (!e.in_flight_.empty() || e.cancels_in_flight_ != 0 || !e.incoming_.empty()) return;
+  if (e.outstanding() != 0 || !e.incoming_.empty()) return;
   op* o = std::exchange(e.closing_, nullptr);
   e.finish(o, transfer_state::success, {});
 }
@@ -74,10 +75,10 @@ inline void shut_down(engine& e) noexcept {
     e.take_incoming();
     run_calls(e);
     e.fail_backlogs();
-    if (e.in_flight_.empty() && e.cancels_in_flight_ == 0 && e.incoming_.empty()) break;
+    if (e.outstanding() == 0 && e.incoming_.empty()) break;
     cancel_everything(e);
     e.flush();
-    if (e.in_flight_.empty() && e.cancels_in_flight_ == 0) continue;
+    if (e.outstanding() == 0) continue;
     // Submits again what flush() could not hand over (the kernel was short of memory) in the
     // same call that waits, so that the wait is never for a cancel the kernel does not have.
     io_uring_cqe* cqe = nullptr;
@@ -96,6 +97,8 @@ inline void shut_down(engine& e) noexcept {
     ::io_uring_cqe_seen(&e.ring_, cqe);
     if (data == 0) {
       --e.cancels_in_flight_;
+    } else if (data == linked_deadline_data) {
+      --e.deadlines_in_flight_;
     } else {
       e.complete(reinterpret_cast<op*>(data), res);
     }
