@@ -428,14 +428,10 @@ class pending_connection {
       : ring_(&r), made_(make_completed_transfer(transfer_state::failed, failed)),
         what_(std::move(what)) {}
 
-  // Dropped: a socket made already is closed here; one made later by the executor
-  // (detail::end_setup).
+  // Dropped untaken: a socket made is closed by the last of this and the operation to let go
+  // (detail::socket_setup::release).
   void let_go() noexcept {
-    if (setup_ == nullptr) return;
-    setup_->dropped.store(true, std::memory_order_seq_cst);
-    const int fd = setup_->made.exchange(-1);
-    if (fd >= 0) ::close(fd);
-    std::exchange(setup_, nullptr)->release();
+    if (setup_ != nullptr) std::exchange(setup_, nullptr)->release();
   }
 
   ring* ring_;

@@ -6,8 +6,9 @@
 // ferry's has to reach into the ring and a deadline holds even while the executor is busy.
 //
 // The socket made is handed over through the socket_setup, which the pending_connection and the
-// operation share: the executor stores it before the transfer succeeds; the pending_connection takes
-// it, or, if it was dropped, whichever of the two comes last closes it.
+// operation share: the executor stores it before the transfer succeeds and the pending_connection
+// takes it; one never taken (the pending_connection dropped) is closed by whichever of the two lets
+// go of the socket_setup last.
 
 #include <liburing.h>
 
@@ -56,9 +57,9 @@ struct socket_setup {
   std::shared_ptr<listener_state> listener;
   // The socket made, until the pending_connection takes it (-1: none, or taken).
   std::atomic<int> made{-1};
-  // The pending_connection was dropped: a socket made is closed rather than handed over.
-  std::atomic<bool> dropped{false};
 
+  // The last reference closes a socket nobody took. Acquire-release: the executor's store of
+  // `made` happens before its release, which the last one's acquire sees.
   void release() noexcept {
     if (refs.fetch_sub(1, std::memory_order_acq_rel) == 1) {
       const int fd = made.exchange(-1);
@@ -111,14 +112,9 @@ inline void end_setup(engine& e, op* o, transfer_state to, std::error_code ec,
                       int fd = -1) noexcept {
   socket_setup* s = o->setup;
   if (o->kind == op_kind::connect && to != transfer_state::success && o->fd >= 0) ::close(o->fd);
-  if (fd >= 0) s->made.store(fd, std::memory_order_seq_cst);
+  // Published by the transfer's completion (release), which get() waits for.
+  if (fd >= 0) s->made.store(fd, std::memory_order_relaxed);
   e.finish(o, to, ec);
-  // Dropped before the transfer ended: nothing will take the socket (pending_connection::let_go
-  // takes it if the drop came later).
-  if (fd >= 0 && s->dropped.load(std::memory_order_seq_cst)) {
-    const int left = s->made.exchange(-1);
-    if (left >= 0) ::close(left);
-  }
   s->release();
 }
 
