@@ -1,9 +1,13 @@
 #pragma once
-// The inference-server layer: per-request, per-layer KV load tracking (decode side) and the release
-// ledger (prefill side).
+// The inference-server layer: per-request, per-layer KV load tracking (decode side), the release
+// ledger (prefill side), and what connectors exchange: cache layouts, transfer plans and the
+// handshake that describes an engine.
 
 #include "ferry/detail/config.hpp"
 #include "ferry/kv/errors.hpp"
+#include "ferry/kv/handshake.hpp"
+#include "ferry/kv/layout.hpp"
 #include "ferry/kv/load_tracker.hpp"
+#include "ferry/kv/plan.hpp"
 #include "ferry/kv/post.hpp"
 #include "ferry/kv/release_ledger.hpp"

@@ -10,6 +10,12 @@ namespace ferry::kv {
 /// The inference-server layer's own error codes (category "ferry.kv").
 enum class errc : int {
   empty_request = 1,  ///< a request was sealed with no transfers: it cannot be a completed load
+  bad_layout = 2,              ///< a cache layout fails its check (kv/layout.hpp)
+  bad_parallelism = 3,         ///< a tensor-parallel rank and size cannot split a layer's heads
+  incompatible_layouts = 4,    ///< two cache layouts cannot exchange blocks (kv/plan.hpp)
+  bad_block_table = 5,         ///< a block table names a block outside its layout, or is malformed
+  region_out_of_range = 6,     ///< a plan's byte range falls outside the memory given for a region
+  bad_engine_description = 7,  ///< bytes or fields that are no valid engine description
 };
 
 /// The message for `e` (what error_code::message() says); nullptr for a value that is no errc.
@@ -17,6 +23,18 @@ enum class errc : int {
   switch (e) {
     case errc::empty_request:
       return "request was sealed with no transfers, so it cannot be a completed load";
+    case errc::bad_layout:
+      return "cache layout is not valid";
+    case errc::bad_parallelism:
+      return "tensor-parallel rank and size cannot split the layer's heads";
+    case errc::incompatible_layouts:
+      return "cache layouts cannot exchange blocks";
+    case errc::bad_block_table:
+      return "block table names a block outside its layout, or is malformed";
+    case errc::region_out_of_range:
+      return "byte range falls outside the memory given for its region";
+    case errc::bad_engine_description:
+      return "not a valid engine description";
   }
   return nullptr;
 }
