@@ -16,6 +16,7 @@ enum class errc : int {
   bad_block_table = 5,         ///< a block table names a block outside its layout, or is malformed
   region_out_of_range = 6,     ///< a plan's byte range falls outside the memory given for a region
   bad_engine_description = 7,  ///< bytes or fields that are no valid engine description
+  push_failed = 8,             ///< the producer says a write of a pushed request failed
 };
 
 /// The message for `e` (what error_code::message() says); nullptr for a value that is no errc.
@@ -33,6 +34,9 @@ enum class errc : int {
       return "block table names a block outside its layout, or is malformed";
     case errc::region_out_of_range:
       return "byte range falls outside the memory given for its region";
+    case errc::push_failed:
+      return "the producer reported that a write of the pushed request failed, so its layers did "
+             "not all land";
     case errc::bad_engine_description:
       return "not a valid engine description";
   }

@@ -1,0 +1,397 @@
+// The KV connector core over real UCX (tcp and shared memory): pull and push of a request's layers
+// with transfer plans between engines, tracked by load_tracker, released through release_ledger,
+// with failures injected.
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <ferry/kv.hpp>
+#include <ferry/kv/connector.hpp>
+#include <ferry/kv/ucx_link.hpp>
+#include <ferry/spawn.hpp>
+#include <ferry/sync_wait.hpp>
+#include <ferry/ucx.hpp>
+
+#include "helpers.hpp"
+
+using namespace ferry_test;
+using ferry::transfer_state;
+namespace kv = ferry::kv;
+namespace ucx = ferry::ucx;
+
+namespace {
+
+constexpr std::uint32_t layers = 4;
+constexpr std::uint32_t blocks = 32;
+constexpr std::uint32_t total_heads = 4;
+
+ucx::worker_options over(const std::string& transports) {
+  ucx::worker_options o;
+  o.transports = transports;
+  o.close_timeout = std::chrono::milliseconds(300);
+  return o;
+}
+
+kv::cache_layout layout_for(std::uint32_t tp_size) {
+  kv::paged_shape s;
+  s.layers = layers;
+  s.blocks = blocks;
+  s.block_size = 4;
+  s.total_heads = total_heads;
+  s.tp_size = tp_size;
+  s.head_size = 8;
+  s.element_size = 2;
+  s.region_per_layer = false;  // every layer in region 0
+  return kv::cache_layout::kv_split(s);
+}
+
+// One engine: an executor, a UCX worker, an engine thread and its cache in one allocated region.
+struct engine {
+  engine(const std::string& transports, std::uint32_t tp_rank, std::uint32_t tp_size)
+      : worker(exec, over(transports)), layout(layout_for(tp_size)), tp{tp_rank, tp_size} {
+    region = worker.allocate(layout.bytes_needed(0));
+  }
+  [[nodiscard]] kv::engine_description describe(const std::string& id) const {
+    kv::engine_description d;
+    d.engine_id = id;
+    d.incarnation = 1;
+    d.tp = tp;
+    d.layout = layout;
+    d.regions.push_back(region.describe().to_bytes());
+    return d;
+  }
+  void fill(unsigned seed) {
+    std::mt19937 rng(seed);
+    for (std::byte& b : region.bytes()) b = static_cast<std::byte>(rng());
+  }
+
+  ferry::progress_executor exec;
+  ucx::worker worker;
+  kv::cache_layout layout;
+  kv::tp_shard tp;
+  ucx::memory_region region;
+  engine_thread thread;
+};
+
+// Both sides' links between a producer and a consumer, the consumer's made from the producer's
+// handshake bytes (encoded, decoded, regions imported from its descriptors).
+struct joined {
+  joined(engine& producer, engine& consumer) {
+    ucx::memory_region exposed = producer.region;
+    auto l = producer.worker.listen("127.0.0.1", 0, std::span(&exposed, 1));
+    ucx::pending_endpoint accepting = l.accept_async(hang_bound);
+    ucx::endpoint to_producer =
+        consumer.worker.connect("127.0.0.1", l.port(), std::span(&consumer.region, 1), hang_bound);
+    ucx::endpoint to_consumer = accepting.get();
+    const std::vector<std::byte> handshake = kv::encode(producer.describe("prefill"));
+    const kv::engine_description peer = kv::decode(handshake);
+    kv::check_compatible(peer, consumer.describe("decode"));
+    at_consumer.emplace(kv::ucx_link::to_peer(std::move(to_producer), {consumer.region}, peer));
+    std::vector<ucx::remote_memory> consumer_regions = to_consumer.peer_regions();
+    at_producer.emplace(std::move(to_consumer), std::vector{producer.region},
+                        std::move(consumer_regions));
+  }
+  std::optional<kv::ucx_link> at_consumer;
+  std::optional<kv::ucx_link> at_producer;
+};
+
+
+// Runs `t` on the engine's own thread, blocking this one until it ends.
+template <class T>
+T run_on(engine& e, ferry::task<T> t) {
+  ferry::any_scheduler s = ferry::any_scheduler::reference(e.thread.loop());
+  return ferry::sync_wait(s, std::move(t));
+}
+
+// The plan from `src` (rank src_tp) into `dst` for a request whose block i at the source is
+// src_ids[i] and at the destination dst_ids[i].
+kv::transfer_plan plan_for(const engine& src, const engine& dst, const std::vector<std::uint32_t>& src_ids,
+                           const std::vector<std::uint32_t>& dst_ids) {
+  const kv::block_pairs g{src_ids, dst_ids};
+  return kv::plan_transfer(src.layout, src.tp, dst.layout, dst.tp, std::span(&g, 1));
+}
+
+// What the consumer's region must hold after the plans: the same plans applied with memcpy.
+std::vector<std::byte> expected_after(const std::vector<const engine*>& producers,
+                                      const std::vector<kv::transfer_plan>& plans,
+                                      const engine& consumer) {
+  std::vector<std::byte> out(consumer.region.bytes().begin(), consumer.region.bytes().end());
+  for (std::size_t p = 0; p < producers.size(); ++p) {
+    const std::span<const std::byte> src[] = {producers[p]->region.bytes()};
+    const std::span<std::byte> dst[] = {out};
+    kv::apply_plan(plans[p], src, dst);
+  }
+  return out;
+}
+
+// A request's block tables: source ids shuffled in runs, destination ids another way.
+struct tables {
+  std::vector<std::uint32_t> src, dst;
+  explicit tables(std::uint32_t n, unsigned seed) {
+    std::mt19937 rng(seed);
+    std::vector<std::uint32_t> ids(blocks);
+    for (std::uint32_t i = 0; i < blocks; ++i) ids[i] = i;
+    std::shuffle(ids.begin(), ids.end(), rng);
+    src.assign(ids.begin(), ids.begin() + n);
+    std::sort(src.begin(), src.begin() + n / 2);  // half of it in runs
+    std::shuffle(ids.begin(), ids.end(), rng);
+    dst.assign(ids.begin(), ids.begin() + n);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("kv over ucx: pull, TP 1->1 and 2->1: every layer lands byte-exact, the tracker says "
+          "success, and the release frees the producers' blocks through their ledgers",
+          "[kv-connector][concurrency]") {
+  const std::string transports = GENERATE(as<std::string>{}, "tcp", "shm");
+  const std::uint32_t sources = GENERATE(1u, 2u);
+  CAPTURE(transports, sources);
+  engine consumer(transports, 0, 1);
+  std::vector<std::unique_ptr<engine>> producers;
+  std::vector<std::unique_ptr<joined>> links;
+  for (std::uint32_t p = 0; p < sources; ++p) {
+    producers.push_back(std::make_unique<engine>(transports, p, sources));
+    producers.back()->fill(100 + p);
+    links.push_back(std::make_unique<joined>(*producers.back(), consumer));
+  }
+  const tables t(20, 7);
+  std::vector<kv::transfer_plan> plans;
+  std::vector<const engine*> from;
+  for (auto& p : producers) {
+    plans.push_back(plan_for(*p, consumer, t.src, t.dst));
+    from.push_back(p.get());
+  }
+  const std::vector<std::byte> want = expected_after(from, plans, consumer);
+
+  // Each producer serves releases into its ledger on its own engine thread.
+  std::vector<std::unique_ptr<kv::release_ledger>> ledgers;
+  std::vector<std::atomic<int>> freed(sources);
+  std::vector<std::atomic<bool>> served(sources);
+  constexpr kv::request_id request = 77;
+  for (std::uint32_t p = 0; p < sources; ++p) {
+    ledgers.push_back(std::make_unique<kv::release_ledger>(
+        [&freed, p](kv::transfer_id id) { freed[p].fetch_add(id == request ? 1 : 100); }));
+    CHECK_FALSE(ledgers[p]->expect(request, 1));  // not freed until the release comes
+    ferry::spawn(producers[p]->thread.loop(),
+                 kv::serve_releases(*links[p]->at_producer, *ledgers[p], 0),
+                 [&served, p](std::exception_ptr) noexcept { served[p].store(true); });
+  }
+
+  // The consumer: pull from every source, wait for each layer, release.
+  const kv::block_pairs g{t.src, t.dst};
+  const auto consume = [&]() -> ferry::task<kv::request_verdict> {
+    kv::load_tracker tracker([&](kv::request_id id, kv::request_verdict v) {
+      for (auto& l : links) kv::release_to(*l->at_consumer, hang_bound)(id, v);
+    });
+    tracker.begin_step();
+    const auto h = tracker.add_request(request);
+    for (std::uint32_t p = 0; p < sources; ++p) {
+      kv::pull(*links[p]->at_consumer, plans[p], consumer.layout, std::span(&g, 1), tracker, h,
+               hang_bound);
+    }
+    tracker.seal(h);
+    for (std::size_t layer = 0; layer < layers; ++layer) {
+      const ferry::batch_result r = co_await tracker.when_layer(layer, hang_bound);
+      CHECK(r.ok());
+    }
+    const kv::request_verdict v = tracker.verdict(request);
+    const auto finished = tracker.take_finished();
+    CHECK(finished.size() == 1);
+    co_return v;
+  };
+  CHECK(run_on(consumer, consume()) == kv::request_verdict::success);
+  CHECK(std::equal(want.begin(), want.end(), consumer.region.bytes().begin()));
+  for (std::uint32_t p = 0; p < sources; ++p) {
+    CHECK(wait_until([&] { return freed[p].load() == 1; }));
+  }
+  // Closing the producers' endpoints ends their release loops.
+  for (auto& l : links) l->at_producer->endpoint().close();
+  for (std::uint32_t p = 0; p < sources; ++p) CHECK(wait_until([&] { return served[p].load(); }));
+}
+
+namespace {
+
+// A consumer's side of push: its tracker, receiver and receive loop, on its engine thread.
+struct push_consumer {
+  explicit push_consumer(engine& e) : e(e) {}
+  push_consumer(const push_consumer&) = delete;
+  push_consumer& operator=(const push_consumer&) = delete;
+  // The receive loop ends before the engine thread goes: closing the link fails its wait.
+  ~push_consumer() {
+    if (from_ == nullptr) return;
+    from_->endpoint().close();
+    CHECK(wait_until([&] { return receive_ended.load(); }));
+  }
+
+  // Expects `id` and starts the receive loop (once) on the engine thread.
+  void expect(kv::ucx_link& from, kv::request_id id, const kv::block_pairs& g,
+              std::chrono::milliseconds abort_timeout) {
+    run_on(e, [](push_consumer& self, kv::ucx_link& from, kv::request_id id, kv::block_pairs g,
+                 std::chrono::milliseconds abort_timeout) -> ferry::task<int> {
+      if (self.from_ == nullptr) {
+        self.from_ = &from;
+        ferry::spawn(self.e.thread.loop(), self.receiver.receive(from),
+                     [&self](std::exception_ptr) noexcept { self.receive_ended.store(true); });
+      }
+      kv::request_options o;
+      o.abort_timeout = abort_timeout;
+      const auto h = self.tracker.add_request(id, o);
+      self.receiver.expect(self.tracker, h, id, self.e.layout, std::span(&g, 1));
+      self.tracker.seal(h);
+      co_return 0;
+    }(*this, from, id, g, abort_timeout));
+  }
+
+  // Waits on the engine thread until `id`'s verdict is terminal (bounded), taking finished
+  // requests; returns the verdict.
+  kv::request_verdict verdict(kv::request_id id) {
+    return run_on(e, [](push_consumer& self, kv::request_id id) -> ferry::task<kv::request_verdict> {
+      const auto until = clock_type::now() + hang_bound;
+      kv::request_verdict v = kv::request_verdict::pending;
+      while (clock_type::now() < until) {
+        v = self.tracker.verdict(id);
+        if (v != kv::request_verdict::pending) break;
+        co_await hop{self.e.thread.loop()};  // let the receive loop run
+      }
+      // A timed-out request is cancelled by the first take_finished and released by a later one.
+      while (self.tracker.tracks(id) && clock_type::now() < until) {
+        for (const auto& f : self.tracker.take_finished()) self.finished.push_back(f.id);
+        co_await hop{self.e.thread.loop()};
+      }
+      co_return v;
+    }(*this, id));
+  }
+
+  engine& e;
+  kv::push_receiver receiver;
+  kv::load_tracker tracker{{}, [this](const ferry::transfer& t) { receiver.cancel(t); }};
+  kv::ucx_link* from_ = nullptr;  // the link the receive loop runs on, once started
+  std::atomic<bool> receive_ended{false};
+  std::vector<kv::request_id> finished;
+};
+
+}  // namespace
+
+TEST_CASE("kv over ucx: push, layer by layer: the consumer's request succeeds once the producer's "
+          "notice comes, with every layer byte-exact",
+          "[kv-connector][concurrency]") {
+  const std::string transports = GENERATE(as<std::string>{}, "tcp", "shm");
+  CAPTURE(transports);
+  engine producer(transports, 0, 1), consumer(transports, 0, 1);
+  producer.fill(5);
+  joined j(producer, consumer);
+  const tables t(24, 9);
+  const kv::transfer_plan plan = plan_for(producer, consumer, t.src, t.dst);
+  const std::vector<std::byte> want = expected_after({&producer}, {plan}, consumer);
+  push_consumer c(consumer);
+  const kv::block_pairs g{t.src, t.dst};
+  constexpr kv::request_id id = 5;
+  c.expect(*j.at_consumer, id, g, std::chrono::seconds(30));
+  CHECK(c.tracker.verdict(id) == kv::request_verdict::pending);  // nothing pushed yet
+
+  const auto push = [&]() -> ferry::task<ferry::batch_result> {
+    kv::pushed_request<kv::ucx_link> p(*j.at_producer, id, plan, hang_bound);
+    for (std::size_t layer = 0; layer < layers; ++layer) p.layer_computed(layer);
+    const ferry::batch_result r = co_await p.finish();
+    const transfer_state noticed = co_await p.notice();
+    CHECK(noticed == transfer_state::success);
+    co_return r;
+  };
+  CHECK(run_on(producer, push()).ok());
+  CHECK(c.verdict(id) == kv::request_verdict::success);
+  CHECK(std::equal(want.begin(), want.end(), consumer.region.bytes().begin()));
+  CHECK(c.finished == std::vector<kv::request_id>{id});
+  CHECK(c.receiver.stale() == 0);
+  j.at_consumer->endpoint().close();
+  CHECK(wait_until([&] { return c.receive_ended.load(); }));
+}
+
+TEST_CASE("kv over ucx: push whose notice never comes fails by the request's abort_timeout, and "
+          "the late notice is stale",
+          "[kv-connector][concurrency]") {
+  const std::string transports = GENERATE(as<std::string>{}, "tcp", "shm");
+  CAPTURE(transports);
+  engine producer(transports, 0, 1), consumer(transports, 0, 1);
+  joined j(producer, consumer);
+  const tables t(8, 3);
+  const kv::transfer_plan plan = plan_for(producer, consumer, t.src, t.dst);
+  push_consumer c(consumer);
+  const kv::block_pairs g{t.src, t.dst};
+  const auto start = clock_type::now();
+  c.expect(*j.at_consumer, 9, g, std::chrono::milliseconds(300));
+  // Every layer written, the notice dropped: the consumer cannot know the layers landed.
+  const auto write_only = [&]() -> ferry::task<int> {
+    kv::pushed_request<kv::ucx_link> p(*j.at_producer, 9, plan, hang_bound);
+    for (std::size_t layer = 0; layer < layers; ++layer) p.layer_computed(layer);
+    const ferry::batch_result r = co_await ferry::when_all(p.writes(), hang_bound);
+    CHECK(r.ok());
+    co_return 0;
+  };
+  (void)run_on(producer, write_only());
+  CHECK(c.verdict(9) == kv::request_verdict::timed_out);
+  CHECK(ms_since(start) >= 300);
+  CHECK(ms_since(start) < 5000);
+  CHECK(c.finished == std::vector<kv::request_id>{9});  // taken, released: nothing hangs
+  // The notice that comes after: counted as stale, changing nothing.
+  const auto late = [&]() -> ferry::task<transfer_state> {
+    co_return co_await j.at_producer->notify(kv::push_notice{9, false}.encode(), hang_bound);
+  };
+  CHECK(run_on(producer, late()) == transfer_state::success);
+  CHECK(wait_until([&] { return run_on(consumer, [](push_consumer& c) -> ferry::task<bool> {
+                                   co_return c.receiver.stale() == 1;
+                                 }(c)); }));
+}
+
+TEST_CASE("kv over ucx: a failed write is pushed as a failure, and a producer gone mid-push fails "
+          "every request it owed at once",
+          "[kv-connector][concurrency]") {
+  const std::string transports = GENERATE(as<std::string>{}, "tcp", "shm");
+  CAPTURE(transports);
+  engine producer(transports, 0, 1), consumer(transports, 0, 1);
+  joined j(producer, consumer);
+  const tables t(8, 4);
+  kv::transfer_plan plan = plan_for(producer, consumer, t.src, t.dst);
+  push_consumer c(consumer);
+  const kv::block_pairs g{t.src, t.dst};
+  c.expect(*j.at_consumer, 1, g, std::chrono::seconds(30));
+  c.expect(*j.at_consumer, 2, g, std::chrono::seconds(30));
+
+  // Request 1: layer 2's first range points past the consumer's region.
+  kv::transfer_plan broken = plan;
+  broken.layers[2][0].dst_offset = consumer.region.bytes().size();
+  const auto push_broken = [&]() -> ferry::task<ferry::batch_result> {
+    kv::pushed_request<kv::ucx_link> p(*j.at_producer, 1, broken, hang_bound);
+    for (std::size_t layer = 0; layer < layers; ++layer) p.layer_computed(layer);
+    co_return co_await p.finish();
+  };
+  const ferry::batch_result r = run_on(producer, push_broken());
+  CHECK(r.verdict == ferry::verdict::failed);
+  CHECK(r.error == kv::errc::region_out_of_range);
+  CHECK(c.verdict(1) == kv::request_verdict::failed);
+
+  // Request 2: the producer's endpoint goes mid-push (layers written, no notice): the consumer's
+  // receive fails, and request 2 with it, long before its 30 s abort_timeout.
+  const auto start = clock_type::now();
+  const auto half = [&]() -> ferry::task<int> {
+    kv::pushed_request<kv::ucx_link> p(*j.at_producer, 2, plan, hang_bound);
+    p.layer_computed(0);
+    p.layer_computed(1);
+    (void)co_await ferry::when_all(p.writes(), hang_bound);
+    co_return 0;
+  };
+  (void)run_on(producer, half());
+  j.at_producer->endpoint().close();
+  CHECK(c.verdict(2) == kv::request_verdict::failed);
+  CHECK(ms_since(start) < 10000);
+  CHECK(wait_until([&] { return c.receive_ended.load(); }));
+}
