@@ -22,11 +22,13 @@
 #include <ferry/ucx.hpp>
 
 #include "helpers.hpp"
+#include "ucx/peer_process.hpp"
 
 using namespace ferry_test;
 using ferry::transfer_state;
 namespace kv = ferry::kv;
 namespace ucx = ferry::ucx;
+namespace peer = ferry_test::ucx_peer;
 
 namespace {
 
@@ -394,4 +396,162 @@ TEST_CASE("kv over ucx: a failed write is pushed as a failure, and a producer go
   CHECK(c.verdict(2) == kv::request_verdict::failed);
   CHECK(ms_since(start) < 10000);
   CHECK(wait_until([&] { return c.receive_ended.load(); }));
+}
+
+// ---- producers in processes of their own
+
+namespace {
+
+// A producer process: "TRANSPORTS". Listens, tells its port and its handshake, accepts the consumer,
+// then takes commands: "push ID SEED" (every layer, then the notice; answers "pushed"), "stall ID
+// SEED" (two layers written, then it answers "stalled" and waits for ever: the parent kills it).
+int run_kv_producer(int in, int out, const std::string& transports) {
+  engine producer(transports, 0, 1);
+  producer.fill(11);
+  ucx::memory_region exposed = producer.region;
+  auto l = producer.worker.listen("127.0.0.1", 0, std::span(&exposed, 1));
+  peer::send(out, std::to_string(l.port()));
+  peer::send(out, kv::encode(producer.describe("prefill")));
+  ucx::endpoint ep = l.accept(hang_bound);
+  std::vector<ucx::remote_memory> consumer_regions = ep.peer_regions();
+  kv::ucx_link link(std::move(ep), {producer.region}, std::move(consumer_regions));
+  const kv::cache_layout consumer_layout = layout_for(1);
+  for (;;) {
+    const std::string command = peer::text(peer::receive(in, std::chrono::hours(1)));
+    if (command.empty()) return 0;
+    char verb[16] = {};
+    unsigned long long id = 0;
+    unsigned seed = 0;
+    if (std::sscanf(command.c_str(), "%15s %llu %u", verb, &id, &seed) != 3) return 2;
+    const tables t(12, seed);
+    const kv::block_pairs g{t.src, t.dst};
+    const kv::transfer_plan plan =
+        kv::plan_transfer(producer.layout, producer.tp, consumer_layout, {0, 1}, std::span(&g, 1));
+    const bool stall = std::string(verb) == "stall";
+    const auto push = [&]() -> ferry::task<bool> {
+      kv::pushed_request<kv::ucx_link> p(link, id, plan, hang_bound);
+      for (std::size_t layer = 0; layer < (stall ? 2u : layers); ++layer) p.layer_computed(layer);
+      if (stall) {
+        (void)co_await ferry::when_all(p.writes(), hang_bound);
+        co_return true;
+      }
+      const ferry::batch_result r = co_await p.finish();
+      const transfer_state noticed = co_await p.notice();
+      co_return r.ok() && noticed == transfer_state::success;
+    };
+    const bool ok = run_on(producer, push());
+    if (stall) {
+      peer::send(out, std::string("stalled"));
+      ::pause();
+    }
+    peer::send(out, std::string(ok ? "pushed" : "push failed"));
+  }
+}
+
+[[maybe_unused]] const bool kv_roles_registered = peer::role("kv-producer", &run_kv_producer);
+
+// The consumer's side of a producer process: connected, its link made from the handshake.
+struct producer_process {
+  producer_process(const std::string& transports, engine& consumer)
+      : child("kv-producer", transports) {
+    const std::string port = peer::text(child.receive());
+    const auto handshake = child.receive();
+    REQUIRE(!port.empty());
+    REQUIRE(handshake);
+    const kv::engine_description d = kv::decode(*handshake);
+    ucx::endpoint ep = consumer.worker.connect("127.0.0.1", static_cast<std::uint16_t>(std::stoi(port)),
+                                               std::span(&consumer.region, 1), hang_bound);
+    link.emplace(kv::ucx_link::to_peer(std::move(ep), {consumer.region}, d));
+  }
+  peer::process child;
+  std::optional<kv::ucx_link> link;
+};
+
+}  // namespace
+
+TEST_CASE("kv over ucx, producer in another process: push lands byte-exact, and a producer killed "
+          "mid-push fails the request it owed well before its abort_timeout",
+          "[kv-connector][concurrency]") {
+  const std::string transports = GENERATE(as<std::string>{}, "tcp", "shm");
+  CAPTURE(transports);
+  engine consumer(transports, 0, 1);
+  producer_process p(transports, consumer);
+  push_consumer c(consumer);
+  SECTION("pushed whole") {
+    const tables t(12, 21);
+    const kv::block_pairs g{t.src, t.dst};
+    c.expect(*p.link, 1, g, std::chrono::seconds(30));
+    REQUIRE(p.child.send(std::string("push 1 21")));
+    CHECK(peer::text(p.child.receive()) == "pushed");
+    CHECK(c.verdict(1) == kv::request_verdict::success);
+    // What landed: the producer's bytes (seed 11) through the plan. Read once nothing more is
+    // written here (the writes of another process are ordered by the notice, not by anything a
+    // race detector sees).
+    engine reference(transports, 0, 1);
+    reference.fill(11);
+    const kv::transfer_plan plan = plan_for(reference, consumer, t.src, t.dst);
+    std::vector<std::byte> want(consumer.region.bytes().size());
+    std::vector<std::byte> got(consumer.region.bytes().begin(), consumer.region.bytes().end());
+    const std::span<const std::byte> src[] = {reference.region.bytes()};
+    const std::span<std::byte> dst[] = {want};
+    kv::apply_plan(plan, src, dst);
+    std::size_t wrong = 0;
+    for (const auto& layer : plan.layers) {
+      for (const kv::byte_range& r : layer) {
+        wrong += std::memcmp(got.data() + r.dst_offset, want.data() + r.dst_offset, r.length) != 0;
+      }
+    }
+    CHECK(wrong == 0);
+  }
+  SECTION("killed mid-push") {
+    const tables t(12, 22);
+    const kv::block_pairs g{t.src, t.dst};
+    c.expect(*p.link, 2, g, std::chrono::seconds(30));
+    REQUIRE(p.child.send(std::string("stall 2 22")));
+    REQUIRE(peer::text(p.child.receive()) == "stalled");
+    const auto start = clock_type::now();
+    p.child.kill(SIGKILL);
+    CHECK(c.verdict(2) == kv::request_verdict::failed);  // not timed_out: the death is noticed
+    CHECK(ms_since(start) < 10000);
+    CHECK(wait_until([&] { return c.receive_ended.load(); }));
+  }
+}
+
+TEST_CASE("kv over ucx, producer in another process: a pull from a killed producer fails, reports "
+          "its blocks once and is released once",
+          "[kv-connector][concurrency]") {
+  const std::string transports = GENERATE(as<std::string>{}, "tcp", "shm");
+  CAPTURE(transports);
+  engine consumer(transports, 0, 1);
+  producer_process p(transports, consumer);
+  engine reference(transports, 0, 1);
+  const tables t(12, 31);
+  const kv::block_pairs g{t.src, t.dst};
+  const kv::transfer_plan plan = plan_for(reference, consumer, t.src, t.dst);
+  p.child.kill(SIGKILL);
+  const auto consume = [&]() -> ferry::task<int> {
+    int released = 0;
+    kv::load_tracker tracker([&](kv::request_id, kv::request_verdict v) {
+      CHECK(v == kv::request_verdict::failed);
+      ++released;
+    });
+    tracker.begin_step();
+    const auto h = tracker.add_request(3);
+    kv::pull(*p.link, plan, consumer.layout, std::span(&g, 1), tracker, h, std::chrono::seconds(5));
+    tracker.seal(h);
+    (void)co_await tracker.when_layer(0, hang_bound);
+    const auto drained = tracker.drain_step(hang_bound);
+    CHECK(drained.pending == 0);
+    CHECK(tracker.verdict(3) == kv::request_verdict::failed);
+    const auto finished = tracker.take_finished();
+    CHECK(finished.size() == 1);
+    std::vector<kv::block_id> failed = tracker.drain_failed_blocks();
+    std::sort(failed.begin(), failed.end());
+    std::vector<kv::block_id> want(t.dst.begin(), t.dst.end());
+    std::sort(want.begin(), want.end());
+    CHECK(failed == want);
+    CHECK(tracker.drain_failed_blocks().empty());  // once
+    co_return released;
+  };
+  CHECK(run_on(consumer, consume()) == 1);
 }
