@@ -1,7 +1,7 @@
 #pragma once
 // Moving a request's KV cache between engines with a transfer plan, over any backend that reads and
 // writes a peer's registered regions one-sidedly and carries ordered notifications (a
-// `one_sided_link`: kv/ucx_link.hpp over UCX).
+// `one_sided_link`: kv/ucx_link.hpp over UCX, kv/verbs_link.hpp over RDMA verbs).
 //
 // Pull: the consumer (decode) reads every layer's ranges with pull() and tracks them in its
 // load_tracker; when the tracker releases the request, release_to() tells the producer, whose
