@@ -20,6 +20,22 @@ The transport is anything with read(request_id, layer, blocks) -> [Transfer, ...
 cancel(transfer) and release(request_id). Run as a script, it uses LoopbackTransport below (copies
 in this process, one failure injected with ferry's fault injector); python/tests/test_connector.py
 drives it with transfers it completes by hand.
+
+Then, with UCX, the same connector between two processes (ucx_main): a prefill process
+(``kv_connector.py producer TRANSPORTS``) and this one (decode), each with a paged cache in a numpy
+array registered with its worker and described by a ferry.kv.CacheLayout. They trade
+EngineDescriptions (the handshake, as hex lines on the producer's stdin/stdout: the connector's
+own side channel), plan with a TransferPlanner and move the blocks both ways:
+
+- pull: the decode side reads with ferry.kv.pull into its LoadTracker; the tracker's release
+  (ferry.kv.release_to) tells the producer, whose ``await ferry.kv.serve_releases(...)`` loop
+  acknowledges it in its ReleaseLedger, which frees the source blocks;
+- push: the producer writes each layer as it is "computed" (PushedRequest.layer_computed), then
+  ``await finish()`` notifies; the decode side's PushReceiver (``await receive(link)``) ends the
+  request in the tracker.
+
+Both end byte-exact: the decode side checks its cache against the plan applied with memcpy
+(ferry.kv.apply_plan) to the producer's (deterministic) contents.
 """
 
 import asyncio
@@ -176,5 +192,243 @@ def main():
     return 0
 
 
+# --- Two processes over UCX ---
+
+LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_SIZE = 4, 32, 16, 4, 64
+HANG = 30.0
+
+
+def paged_cache(seed=None):
+    """A vLLM-style paged cache, [layers, 2 (K, V), blocks, block_size, heads, head_size] fp16, and
+    its CacheLayout read from the array itself (TensorLayout.from_array, offsets from the base)."""
+    import numpy as np
+
+    shape = (LAYERS, 2, BLOCKS, BLOCK_SIZE, HEADS, HEAD_SIZE)
+    if seed is None:
+        cache = np.zeros(shape, dtype=np.float16)
+    else:
+        raw = np.random.default_rng(seed).integers(0, 1 << 16, size=shape, dtype=np.uint16)
+        cache = raw.view(np.float16)
+    layers = [ferry.kv.LayerLayout(group=0, total_heads=HEADS, tensors=[
+        ferry.kv.TensorLayout.from_array(cache[layer, kv], "token_major", region=0, base=cache)
+        for kv in (0, 1)]) for layer in range(LAYERS)]
+    layout = ferry.kv.CacheLayout(layers)
+    layout.check(ferry.kv.TpShard(0, 1))
+    # The same as the named constructor for this layout (one region, layers one after another).
+    assert layout == ferry.kv.CacheLayout.kv_split(
+        layers=LAYERS, blocks=BLOCKS, block_size=BLOCK_SIZE, total_heads=HEADS,
+        head_size=HEAD_SIZE, element_size=2, region_per_layer=False)
+    assert layout.bytes_needed(0) == cache.nbytes
+    return cache, layout
+
+
+def describe(engine_id, layout, region):
+    return ferry.kv.EngineDescription(engine_id, 1, ferry.kv.TpShard(0, 1), layout,
+                                      [region.describe()])
+
+
+PRODUCER_SEED = 7
+
+
+def producer(transports):
+    """The prefill process. Prints its port and its EngineDescription (hex), reads the consumer's,
+    then serves releases while it takes commands on stdin: ``expect ID`` (pull: the ledger waits
+    for the consumer's release, printing ``freed ID``), ``push ID SRC DST`` (every layer, then the
+    notice; prints ``pushed ok``), ``stall ID SRC DST`` (two layers written, prints ``stalled``,
+    then hangs: the parent kills it), ``quit``. SRC and DST: comma-separated block ids."""
+    ex = ferry.Executor()
+    worker = ferry.ucx.Worker(ex, transports=transports)
+    cache, layout = paged_cache(PRODUCER_SEED)
+    region = worker.register_memory(cache)
+    listener = worker.listen("127.0.0.1", 0, [region])
+    print(listener.port, flush=True)
+    print(describe("prefill", layout, region).encode().hex(), flush=True)
+    consumer = ferry.kv.EngineDescription.decode(bytes.fromhex(sys.stdin.readline()))
+    describe("prefill", layout, region).check_compatible(consumer)
+    ep = listener.accept(HANG)
+    link = ferry.kv.UcxLink.from_peer_regions(ep, [region])
+    planner = ferry.kv.TransferPlanner(layout, ferry.kv.TpShard(0, 1), consumer.layout,
+                                       consumer.tp)
+    ledger = ferry.kv.ReleaseLedger(lambda tid: print(f"freed {tid}", flush=True))
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        releases = asyncio.ensure_future(ferry.kv.serve_releases(link, ledger, 0))
+        while True:
+            line = (await loop.run_in_executor(None, sys.stdin.readline)).split()
+            if not line or line[0] == "quit":
+                break
+            verb, rid = line[0], int(line[1])
+            if verb == "expect":
+                ledger.expect(rid, 1)
+                print("expecting", flush=True)
+                continue
+            src, dst = ([int(b) for b in x.split(",")] for x in line[2:4])
+            plan = planner.plan([(src, dst)])
+            pushed = ferry.kv.PushedRequest(link, rid, plan, HANG)
+            if verb == "stall":
+                pushed.layer_computed(0)
+                pushed.layer_computed(1)
+                await ferry.when_all(pushed.writes, HANG)
+                print("stalled", flush=True)
+                await asyncio.sleep(3600)
+            for layer in range(plan.layer_count):
+                pushed.layer_computed(layer)  # as the engine computes each layer
+            r = await pushed.finish()
+            noticed = await pushed.notice
+            print("pushed " + ("ok" if r.ok and noticed == ferry.State.success else "failed"),
+                  flush=True)
+        ep.close()
+        await releases  # ends with the closed endpoint's error
+        return 0
+
+    return asyncio.run(run())
+
+
+class ProducerProcess:
+    """The decode side's view of a producer process: its handshake, and its command lines."""
+
+    def __init__(self, transports, layout, region, worker):
+        import subprocess
+
+        self.proc = subprocess.Popen([sys.executable, __file__, "producer", transports],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        port = int(self.line())
+        self.description = ferry.kv.EngineDescription.decode(bytes.fromhex(self.line()))
+        self.send(describe("decode", layout, region).encode().hex())
+        ep = worker.connect_to("127.0.0.1", port, [region], HANG)
+        self.link = ferry.kv.UcxLink(ep, [region], self.description)
+
+    def send(self, line):
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def line(self):
+        out = self.proc.stdout.readline()
+        if not out:
+            raise RuntimeError("the producer process ended")
+        return out.strip()
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.send("quit")
+            self.proc.wait(HANG)
+        return self.proc.returncode
+
+
+def expected_after(plan, cache):
+    """What the decode cache must hold after `plan`: the plan applied with memcpy to the
+    producer's contents (which are deterministic)."""
+    src, _ = paged_cache(PRODUCER_SEED)
+    out = cache.copy()
+    ferry.kv.apply_plan(plan, [src], [out])
+    return out
+
+
+class UcxConnector:
+    """The decode side over UCX: pull and push into one LoadTracker."""
+
+    def __init__(self, transports):
+        self.ex = ferry.Executor()
+        self.worker = ferry.ucx.Worker(self.ex, transports=transports)
+        self.cache, self.layout = paged_cache()
+        self.region = self.worker.register_memory(self.cache)
+        self.producer = ProducerProcess(transports, self.layout, self.region, self.worker)
+        self.link = self.producer.link
+        self.planner = ferry.kv.TransferPlanner(
+            self.producer.description.layout, self.producer.description.tp, self.layout,
+            ferry.kv.TpShard(0, 1))
+        self.receiver = ferry.kv.PushReceiver()
+        release = ferry.kv.release_to(self.link, HANG)
+        self.pulled = set()
+
+        def release_pulled(request_id, verdict):
+            if request_id in self.pulled:  # pushed requests need no release
+                release(request_id, verdict)
+
+        self.tracker = ferry.kv.LoadTracker(release=release_pulled, cancel=self.receiver.cancel)
+
+    async def wait_request(self, request_id):
+        for layer in range(LAYERS):
+            await self.tracker.when_layer(layer, HANG)
+        (finished,) = self.tracker.take_finished()
+        assert finished.id == request_id, finished
+        return finished
+
+    async def pull(self, request_id, src, dst):
+        plan = self.planner.plan([(src, dst)])
+        want = expected_after(plan, self.cache)
+        self.producer.send(f"expect {request_id}")
+        assert self.producer.line() == "expecting"
+        self.pulled.add(request_id)
+        self.tracker.begin_step()
+        h = self.tracker.add_request(request_id)
+        ferry.kv.pull(self.link, plan, self.layout, [(src, dst)], self.tracker, h, HANG)
+        self.tracker.seal(h)
+        finished = await self.wait_request(request_id)
+        assert finished.verdict == ferry.kv.RequestVerdict.success, finished
+        assert self.producer.line() == f"freed {request_id}"  # the release reached the ledger
+        return plan, want
+
+    async def push(self, request_id, src, dst, verb="push", abort_timeout=60.0):
+        import numpy as np
+
+        plan = self.planner.plan([(np.array(src, dtype=np.uint32),
+                                   np.array(dst, dtype=np.uint32))])
+        want = expected_after(plan, self.cache)
+        self.tracker.begin_step()
+        h = self.tracker.add_request(request_id, abort_timeout=abort_timeout)
+        self.receiver.expect(self.tracker, h, request_id, self.layout, [(src, dst)])
+        self.tracker.seal(h)
+        self.producer.send(f"{verb} {request_id} {','.join(map(str, src))} "
+                           f"{','.join(map(str, dst))}")
+        return plan, want
+
+    def close(self):
+        return self.producer.close()
+
+
+async def ucx_session(transports):
+    import numpy as np
+
+    c = UcxConnector(transports)
+    receiving = asyncio.ensure_future(c.receiver.receive(c.link))
+    rng = np.random.default_rng(3)
+    # Pull: request 1's 6 blocks, shuffled on both sides.
+    src = [int(b) for b in rng.permutation(BLOCKS)[:6]]
+    dst = [int(b) for b in rng.permutation(BLOCKS)[:6]]
+    _, want = await c.pull(1, src, dst)
+    assert np.array_equal(c.cache.view(np.uint16), want.view(np.uint16)), "pull not byte-exact"
+    print(f"pull over {transports}: {len(src)} blocks byte-exact, released and freed")
+    # Push: request 2's blocks into others.
+    src = [int(b) for b in rng.permutation(BLOCKS)[:5]]
+    dst = [b for b in range(BLOCKS) if b not in c.tracker.drain_failed_blocks()][10:15]
+    _, want = await c.push(2, src, dst)
+    finished = await c.wait_request(2)
+    assert finished.verdict == ferry.kv.RequestVerdict.success, finished
+    assert c.producer.line() == "pushed ok"
+    assert np.array_equal(c.cache.view(np.uint16), want.view(np.uint16)), "push not byte-exact"
+    print(f"push over {transports}: {len(src)} blocks byte-exact")
+    assert c.close() == 0
+    err = await receiving  # the producer closed its endpoint: the receive loop ends
+    print(f"receive loop ended: {err}")
+    assert c.receiver.expected == 0
+    return 0
+
+
+def ucx_main(transports="tcp"):
+    if not ferry.HAS_UCX:
+        print("kv connector over UCX: skipped (ferry built without UCX)")
+        return 0
+    return asyncio.run(ucx_session(transports))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:2] == ["producer"]:
+        sys.exit(producer(sys.argv[2]))
+    rc = main()
+    if rc == 0:
+        rc = ucx_main()
+        if ferry.HAS_UCX:
+            print("kv connector over UCX: ok")
+    sys.exit(rc)

@@ -34,6 +34,18 @@ def _await_transfer(self):
 _ferry.Transfer.__await__ = _await_transfer
 
 
+def _await_task(self):
+    # A C++ task (ferry.kv.serve_releases, PushReceiver.receive, PushedRequest.finish): started on
+    # this loop's thread when awaited, its result (or exception) taken once the loop saw it end.
+    loop = asyncio.get_running_loop()
+    future = _notifier(loop).start_task(self, loop)
+    yield from future
+    return self._result()
+
+
+_ferry._Task.__await__ = _await_task
+
+
 class _WhenAll:
     """The awaitable ferry.when_all returns; awaited once."""
 

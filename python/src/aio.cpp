@@ -16,6 +16,16 @@
 // A notifier whose loop has gone (its Python object destroyed) is orphaned: frames still posted to
 // it later go to one process-wide list, resumed and freed by the next dispatch of any loop or the
 // next await.
+//
+// C++ tasks (ferry._Task: serve_releases, PushReceiver.receive, PushedRequest.finish) run on the
+// loop's thread too. Awaiting one spawns it on a scheduler whose post() queues the coroutine on the
+// notifier's run_loop (never throws) and writes the same eventfd; dispatch then polls that queue
+// with the GIL, so the task's body, and every await inside it, resumes on the loop's thread, where
+// it may call Python (a ReleaseLedger's free callback). When it ends, dispatch sets its future and
+// drops what it held. A task cannot be cancelled from Python (a ferry::task has no cancellation):
+// cancelling the awaiting asyncio task cancels the await only; close the link's endpoint to end a
+// receive loop. A notifier whose loop has gone never runs its queue again: tasks still in it are
+// leaked, not resumed.
 
 #include <coroutine>
 #include <cstdint>
@@ -31,6 +41,8 @@
 #include <unistd.h>
 
 #include "common.hpp"
+#include "ferry/run_loop.hpp"
+#include "ferry/spawn.hpp"
 #include "ferry/when_all.hpp"
 
 namespace ferry::python {
@@ -116,6 +128,8 @@ struct notifier_state {
   frame_promise* head = nullptr;
   frame_promise* tail = nullptr;
   bool orphaned = false;
+  run_loop tasks;                       // the C++ tasks' queue, polled by dispatch
+  std::vector<std::uint64_t> finished;  // tokens of tasks that ended; only touched inside dispatch
 
   notifier_state() {
     fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -163,6 +177,16 @@ void loop_scheduler::post(std::coroutine_handle<> h) const noexcept {
   p.next = o.head;
   o.head = &p;
 }
+
+// Where a spawned C++ task resumes: the notifier's run_loop, and a write of its eventfd.
+struct task_scheduler {
+  std::shared_ptr<notifier_state> state;
+  void post(std::coroutine_handle<> h) const noexcept {
+    state->tasks.post(h);
+    const std::uint64_t one = 1;
+    [[maybe_unused]] const ssize_t n = ::write(state->fd, &one, sizeof one);
+  }
+};
 
 // Resumes (the awaiter reads its result) and frees the orphans' frames. With the GIL.
 void run_orphans() {
@@ -241,13 +265,46 @@ class notifier {
       }
       list = next;
     }
+    // The C++ tasks whose awaits ended (or that were just spawned) run now, on this thread.
+    state_->tasks.poll();
+    std::vector<std::uint64_t> finished = std::move(state_->finished);
+    state_->finished.clear();
+    for (const std::uint64_t token : finished) {
+      if (auto it = tasks_.find(token); it != tasks_.end()) {
+        results.emplace_back(std::move(it->second.future), py::none());
+        tasks_.erase(it);
+      }
+    }
     // A future cancelled meanwhile (its task was cancelled) keeps its cancellation.
     for (auto& [future, result] : results) {
       if (!future.attr("done")().cast<bool>()) future.attr("set_result")(result);
     }
   }
 
-  [[nodiscard]] std::size_t pending() const noexcept { return futures_.size(); }
+  [[nodiscard]] std::size_t pending() const noexcept { return futures_.size() + tasks_.size(); }
+
+  // Spawns the C++ task on this loop; returns the future dispatch sets (to None) when it ends.
+  py::object start_task(const std::shared_ptr<py_task>& t, const py::object& loop) {
+    if (t->started) {
+      throw std::runtime_error(t->who + ": this awaitable was awaited already (each call makes "
+                                        "one, awaited once)");
+    }
+    task<void> body = t->make();
+    t->started = true;
+    py::object future = loop.attr("create_future")();
+    const std::uint64_t token = ++next_token_;
+    tasks_.emplace(token, task_entry{future, t});
+    py_task* raw = t.get();
+    notifier_state* st = state_.get();
+    any_scheduler s(task_scheduler{state_});
+    // on_done runs inside dispatch's poll, with the GIL; tasks_ holds the py_task until then.
+    spawn(s, std::move(body), [raw, st, token](std::exception_ptr e) noexcept {
+      raw->done = true;
+      raw->error = std::move(e);
+      st->finished.push_back(token);
+    });
+    return future;
+  }
 
  private:
   py::tuple start(frame f, const py::object& loop) {
@@ -273,7 +330,12 @@ class notifier {
   }
 
   std::shared_ptr<notifier_state> state_;
+  struct task_entry {
+    py::object future;
+    std::shared_ptr<py_task> task;
+  };
   std::unordered_map<std::uint64_t, py::object> futures_;
+  std::unordered_map<std::uint64_t, task_entry> tasks_;
   std::uint64_t next_token_ = 0;
 };
 
@@ -288,7 +350,19 @@ void add_asyncio(py::module_& m) {
       .def("await_transfer", &notifier::await_transfer)
       .def("await_batch", &notifier::await_batch, py::arg("transfers"), py::arg("timeout"),
            py::arg("loop"), py::arg("who") = "ferry.when_all")
+      .def("start_task", &notifier::start_task)
       .def("dispatch", &notifier::dispatch);
+
+  py::class_<py_task, std::shared_ptr<py_task>>(
+      m, "_Task",
+      "A C++ coroutine awaited once from asyncio: it runs on the awaiting loop's thread. "
+      "Cancelling the awaiting task cancels the await only.")
+      .def_property_readonly("done", [](const py_task& t) { return t.done; })
+      .def("_result", [](py_task& t) -> py::object {
+        if (!t.done) throw std::runtime_error(t.who + ": has not ended");
+        if (t.error) std::rethrow_exception(t.error);
+        return t.result ? t.result() : py::none();
+      });
 
   // What ferry.when_all and LoadTracker.when_layer check when called, not only once awaited: the
   // transfers (a Batch, an iterable; a list's or tuple's items are checked now, any other

@@ -14,6 +14,8 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -26,7 +28,10 @@
 #include <vector>
 
 #include "ferry/batch_result.hpp"
+#include "ferry/kv/load_tracker.hpp"
+#include "ferry/kv/plan.hpp"
 #include "ferry/progress_executor.hpp"
+#include "ferry/task.hpp"
 #include "ferry/transfer.hpp"
 #include "ferry/uring/frame.hpp"
 
@@ -292,6 +297,40 @@ auto wait_released(std::chrono::duration<double> timeout, Wait wait, Decided dec
     }
   }
 }
+
+// ferry._Task: a C++ coroutine (a ferry::task: serve_releases, PushReceiver.receive,
+// PushedRequest.finish) that Python awaits. Awaiting it starts it on the awaiting event loop's
+// thread: aio.cpp spawns it on a scheduler whose queue the loop's notifier runs (with the GIL) when
+// its eventfd fires, so every await inside it resumes there, never on the executor's thread. Once
+// it ends, `result` (called with the GIL) gives its value, or its exception is raised.
+struct py_task {
+  std::string who;                      // names it in errors ("ferry.kv.serve_releases")
+  std::function<task<void>()> make;     // the task; it stores its own result for `result`
+  std::function<py::object()> result;   // its value as Python sees it, once it ended normally
+  std::vector<py::object> keep;         // what the task refers to, held until it ends
+  bool started = false;
+  bool done = false;
+  std::exception_ptr error;
+};
+
+// Runs `t` and keeps its value in `out`: a ferry::task whose value a py_task hands back.
+template <class T>
+task<void> store_result(task<T> t, std::shared_ptr<std::optional<T>> out) {
+  T value = co_await std::move(t);
+  out->emplace(std::move(value));
+}
+
+// Block tables from Python (kv.cpp): one (src_ids, dst_ids) pair per group, each an iterable of
+// ints or a numpy uint32 array; `pairs` views `src` and `dst`.
+struct block_tables {
+  std::vector<std::vector<std::uint32_t>> src, dst;
+  std::vector<kv::block_pairs> pairs;
+};
+[[nodiscard]] block_tables tables_arg(py::handle h, std::string_view who, std::string_view what);
+
+// A ferry.kv.LoadTracker argument's tracker (kv.cpp), refused while another thread is inside it.
+[[nodiscard]] kv::load_tracker& tracker_arg(py::handle h, std::string_view who,
+                                            std::string_view what);
 
 // Parts of the module, each adding its classes and functions.
 void add_core(py::module_& m);

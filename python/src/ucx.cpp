@@ -9,7 +9,11 @@
 #include <utility>
 #include <vector>
 
+#include <cmath>
+
 #include "common.hpp"
+#include "ferry/kv/connector.hpp"
+#include "ferry/kv/ucx_link.hpp"
 #include "ferry/ucx.hpp"
 
 namespace ferry::python {
@@ -138,6 +142,8 @@ py::list rma_batch(py_endpoint& e, py::handle blocks, py::handle timeout, bool p
 }
 
 }  // namespace
+
+void add_kv_ucx(py::module_& parent);
 
 void add_ucx(py::module_& parent) {
   py::module_ m = parent.def_submodule(
@@ -422,6 +428,305 @@ void add_ucx(py::module_& parent) {
              return l;
            },
            py::arg("host"), py::arg("port") = 0, py::arg("expose") = py::none());
+
+  add_kv_ucx(parent);
+}
+
+// ferry.kv over UCX: the link, pull and its releases, push. Objects the C++ API takes by reference
+// (the link, the ledger, the receiver, a pushed request's plan) are held by whoever uses them: a
+// release function holds its link, an awaited task what it refers to, a transfer its link.
+namespace {
+
+struct py_link {
+  std::shared_ptr<py_endpoint> ep;                  // keeps the worker; Endpoint.close ends it
+  std::vector<std::shared_ptr<py_region>> regions;  // this side's, held as long as the link
+  std::optional<kv::ucx_link> link;
+};
+
+std::shared_ptr<py_link> link_arg(py::handle h, const char* who) {
+  return shared_arg<py_link>(h, who, "link", "a ferry.kv.UcxLink");
+}
+
+// A kv timeout: None, negative or infinite waits forever; otherwise seconds (or a timedelta).
+std::chrono::nanoseconds kv_timeout(py::handle h, const char* who) {
+  const double s = timeout_arg(h, who).count();
+  if (s < 0.0 || std::isinf(s)) return std::chrono::nanoseconds(-1);
+  if (s > 9.2e9) throw py::value_error(std::string(who) + ": timeout is too long");
+  return std::chrono::round<std::chrono::nanoseconds>(std::chrono::duration<double>(s));
+}
+
+std::vector<std::shared_ptr<py_region>> local_regions_arg(py::handle h, const char* who) {
+  std::vector<std::shared_ptr<py_region>> out;
+  for (py::handle r : iterable_arg(h, who, "local_regions",
+                                   "a list of ferry.ucx.MemoryRegion, one per region number")) {
+    out.push_back(shared_arg<py_region>(r, who, item_name("local_regions", out.size()),
+                                        "a ferry.ucx.MemoryRegion"));
+  }
+  return out;
+}
+
+std::shared_ptr<py_link> make_link(const std::shared_ptr<py_endpoint>& ep,
+                                   std::vector<std::shared_ptr<py_region>> regions,
+                                   const kv::engine_description* peer) {
+  auto l = std::make_shared<py_link>();
+  l->ep = ep;
+  l->regions = std::move(regions);
+  std::vector<ucx::memory_region> local;
+  for (const auto& r : l->regions) local.push_back(r->region);
+  py::gil_scoped_release released;
+  if (peer != nullptr) {
+    l->link.emplace(kv::ucx_link::to_peer(ep->endpoint, std::move(local), *peer));
+  } else {
+    l->link.emplace(ep->endpoint, std::move(local), ep->endpoint.peer_regions());
+  }
+  return l;
+}
+
+// Transfers that read or write the link's local regions: dropped at once, each still pending hands
+// the link (its regions, their buffers) to the orphan list until it ends.
+void guard(const std::shared_ptr<py_link>& l, std::span<const transfer> ts) {
+  auto keep = std::make_shared<keep_alive>();
+  keep->objects.push_back(py::cast(l));
+  for (const transfer& t : ts) {
+    const py_transfer guarded(t, keep);
+  }
+}
+
+struct py_pushed {
+  std::shared_ptr<py_link> link;
+  std::unique_ptr<kv::transfer_plan> plan;
+  std::optional<kv::pushed_request<kv::ucx_link>> request;
+  std::vector<bool> written;
+  bool finishing = false;
+};
+
+constexpr std::uint64_t max_request_id = kv::push_notice::failed_bit - 1;
+
+}  // namespace
+
+void add_kv_ucx(py::module_& parent) {
+  py::module_ m = parent.attr("kv").cast<py::module_>();
+
+  py::class_<py_link, std::shared_ptr<py_link>>(
+      m, "UcxLink",
+      "A peer engine over a ferry.ucx.Endpoint, by region number: local_regions[r] is this "
+      "side's region r, the peer's come from its EngineDescription (UcxLink(...)) or from the "
+      "regions it exposed when it connected (UcxLink.from_peer_regions). One engine thread uses "
+      "a link; close its endpoint to end the receive loops on it.")
+      .def(py::init([](py::handle endpoint, py::handle local_regions, py::handle peer) {
+             static constexpr const char* who = "ferry.kv.UcxLink";
+             auto ep = shared_arg<py_endpoint>(endpoint, who, "endpoint", "a ferry.ucx.Endpoint");
+             auto regions = local_regions_arg(local_regions, who);
+             const auto& d = object_arg<kv::engine_description>(
+                 peer, who, "peer_description", "a ferry.kv.EngineDescription");
+             return make_link(ep, std::move(regions), &d);
+           }),
+           py::arg("endpoint"), py::arg("local_regions"), py::arg("peer_description"),
+           "Imports every region the peer's description names on the endpoint (the consumer's "
+           "side of a handshake).")
+      .def_static(
+          "from_peer_regions",
+          [](py::handle endpoint, py::handle local_regions) {
+            static constexpr const char* who = "ferry.kv.UcxLink.from_peer_regions";
+            auto ep = shared_arg<py_endpoint>(endpoint, who, "endpoint", "a ferry.ucx.Endpoint");
+            return make_link(ep, local_regions_arg(local_regions, who), nullptr);
+          },
+          py::arg("endpoint"), py::arg("local_regions"),
+          "The peer's regions are those it exposed when it connected by host and port "
+          "(Endpoint.peer_regions(), in its region order): the producer's side of an accept.")
+      .def_property_readonly("endpoint", [](const py_link& l) { return l.ep; });
+
+  m.def(
+      "pull",
+      [](py::handle link, py::handle plan, py::handle dst_layout, py::handle groups,
+         py::handle tracker, py::handle request, py::handle timeout) {
+        static constexpr const char* who = "ferry.kv.pull";
+        const auto l = link_arg(link, who);
+        const auto& p = object_arg<kv::transfer_plan>(plan, who, "plan", "a ferry.kv.TransferPlan");
+        const auto& layout =
+            object_arg<kv::cache_layout>(dst_layout, who, "dst_layout", "a ferry.kv.CacheLayout");
+        const block_tables t = tables_arg(groups, who, "groups");
+        kv::load_tracker& tr = tracker_arg(tracker, who, "tracker");
+        const auto& h = object_arg<kv::load_tracker::request_handle>(
+            request, who, "request", "a ferry.kv.RequestHandle (add_request's)");
+        const auto ns = kv_timeout(timeout, who);
+        kv::pull(*l->link, p, layout, t.pairs, tr, h, ns);
+        for (std::size_t layer = 0; layer < p.layers.size(); ++layer) {
+          if (!p.layers[layer].empty()) guard(l, tr.layer_transfers(layer));
+        }
+      },
+      py::arg("link"), py::arg("plan"), py::arg("dst_layout"), py::arg("groups"),
+      py::arg("tracker"), py::arg("request"), py::arg("timeout") = py::none(),
+      "Reads every layer of the request with `plan` over the link and adds each layer's "
+      "transfers to `tracker` under `request` (the layer's destination blocks from `groups`). "
+      "The caller seals the request. timeout bounds each read.");
+
+  m.def(
+      "release_to",
+      [](py::handle link, py::handle timeout) {
+        static constexpr const char* who = "ferry.kv.release_to";
+        const auto l = link_arg(link, who);
+        const auto ns = kv_timeout(timeout, who);
+        return py::cpp_function(
+            [l, ns](py::handle id, py::handle) {
+              const auto rid = int_arg<std::uint64_t>(id, "ferry.kv.release_to(...)", "id");
+              (void)l->link->notify(rid, ns);
+            },
+            py::arg("id"), py::arg("verdict"));
+      },
+      py::arg("link"), py::arg("timeout") = py::none(),
+      "The release function for a consumer's LoadTracker (LoadTracker(release=...)): tells the "
+      "producer behind the link that a request is done with, so that its serve_releases "
+      "acknowledges it. Holds the link.");
+
+  m.def(
+      "serve_releases",
+      [](py::handle link, py::handle ledger, py::handle rank) {
+        static constexpr const char* who = "ferry.kv.serve_releases";
+        const auto l = link_arg(link, who);
+        auto& lg = object_arg<kv::release_ledger>(ledger, who, "ledger", "a ferry.kv.ReleaseLedger");
+        const auto r = int_arg<kv::rank_id>(rank, who, "rank");
+        auto t = std::make_shared<py_task>();
+        t->who = who;
+        auto out = std::make_shared<std::optional<std::error_code>>();
+        kv::ucx_link* lp = &*l->link;
+        kv::release_ledger* lgp = &lg;
+        t->make = [lp, lgp, r, out] { return store_result(kv::serve_releases(*lp, *lgp, r), out); };
+        t->result = [out] { return error_or_none(out->value_or(std::error_code())); };
+        t->keep = {py::cast(l), py::reinterpret_borrow<py::object>(ledger)};
+        return t;
+      },
+      py::arg("link"), py::arg("ledger"), py::arg("rank"),
+      "Awaitable (on the producer): acknowledges in `ledger`, as consumer `rank`, every release "
+      "the consumer behind the link sends, until the link fails or its endpoint is closed; the "
+      "await then returns that error (a ferry.Error). Runs on the awaiting loop's thread.");
+
+  py::class_<py_pushed, std::shared_ptr<py_pushed>>(
+      m, "PushedRequest",
+      "Push, on the producer: one request written to one consumer layer by layer "
+      "(layer_computed), then confirmed with one notification (await finish()).")
+      .def(py::init([](py::handle link, py::handle request_id, py::handle plan,
+                       py::handle timeout) {
+             static constexpr const char* who = "ferry.kv.PushedRequest";
+             auto p = std::make_shared<py_pushed>();
+             p->link = link_arg(link, who);
+             const auto id = int_arg<std::uint64_t>(request_id, who, "request_id", 0,
+                                                    max_request_id);
+             p->plan = std::make_unique<kv::transfer_plan>(
+                 object_arg<kv::transfer_plan>(plan, who, "plan", "a ferry.kv.TransferPlan"));
+             const auto ns = kv_timeout(timeout, who);
+             p->request.emplace(*p->link->link, id, *p->plan, ns);
+             p->written.assign(p->plan->layers.size(), false);
+             return p;
+           }),
+           py::arg("link"), py::arg("request_id"), py::arg("plan"),
+           py::arg("timeout") = py::none(), "timeout bounds each write and the notification.")
+      .def(
+          "layer_computed",
+          [](const std::shared_ptr<py_pushed>& p, py::handle layer) {
+            static constexpr const char* who = "ferry.kv.PushedRequest.layer_computed";
+            const std::size_t l = size_arg(layer, who, "layer");
+            if (l >= p->written.size()) {
+              throw py::value_error(std::string(who) + ": layer " + std::to_string(l) +
+                                    " is not below the plan's " +
+                                    std::to_string(p->written.size()) + " layers");
+            }
+            if (p->written[l]) {
+              throw std::runtime_error(std::string(who) + ": layer " + std::to_string(l) +
+                                       " was written already");
+            }
+            const std::size_t before = p->request->writes().size();
+            p->request->layer_computed(l);
+            p->written[l] = true;
+            guard(p->link, p->request->writes().subspan(before));
+          },
+          py::arg("layer"), "Writes layer `layer`'s ranges now; each layer once.")
+      .def(
+          "finish",
+          [](const std::shared_ptr<py_pushed>& p) {
+            static constexpr const char* who = "ferry.kv.PushedRequest.finish";
+            for (std::size_t l = 0; l < p->written.size(); ++l) {
+              if (!p->written[l]) {
+                throw std::runtime_error(std::string(who) + ": layer " + std::to_string(l) +
+                                         " was never written (layer_computed)");
+              }
+            }
+            if (p->finishing) throw std::runtime_error(std::string(who) + ": called already");
+            p->finishing = true;
+            auto t = std::make_shared<py_task>();
+            t->who = who;
+            auto out = std::make_shared<std::optional<batch_result>>();
+            kv::pushed_request<kv::ucx_link>* r = &*p->request;
+            t->make = [r, out] { return store_result(r->finish(), out); };
+            t->result = [out] { return py::cast(**out); };
+            t->keep = {py::cast(p)};
+            return t;
+          },
+          "Awaitable: once every write has ended, tells the consumer whether they all landed "
+          "(one notification); returns the writes' BatchResult. The notification is notice.")
+      .def_property_readonly(
+          "writes",
+          [](const py_pushed& p) {
+            const auto w = p.request->writes();
+            return batch{std::vector<transfer>(w.begin(), w.end())};
+          },
+          "Every write so far, as a Batch: the source blocks are in use until each is terminal.")
+      .def_property_readonly("notice",
+                             [](const py_pushed& p) { return py_transfer(p.request->notice()); })
+      .def_property_readonly("id", [](const py_pushed& p) { return p.request->id(); });
+
+  py::class_<kv::push_receiver, std::shared_ptr<kv::push_receiver>>(
+      m, "PushReceiver",
+      "Push, on the consumer: tracks pushed requests in a LoadTracker (one transfer per layer), "
+      "ended by the producer's notifications, which `await receive(link)` takes. Give the "
+      "tracker cancel as its cancel function (LoadTracker(cancel=receiver.cancel)) so that a "
+      "request whose notification never comes fails by its abort_timeout.")
+      .def(py::init([] { return std::make_shared<kv::push_receiver>(); }))
+      .def(
+          "expect",
+          [](kv::push_receiver& r, py::handle tracker, py::handle request, py::handle id,
+             py::handle dst_layout, py::handle groups) {
+            static constexpr const char* who = "ferry.kv.PushReceiver.expect";
+            kv::load_tracker& tr = tracker_arg(tracker, who, "tracker");
+            const auto& h = object_arg<kv::load_tracker::request_handle>(
+                request, who, "request", "a ferry.kv.RequestHandle (add_request's)");
+            const auto rid = int_arg<std::uint64_t>(id, who, "id", 0, max_request_id);
+            const auto& layout = object_arg<kv::cache_layout>(dst_layout, who, "dst_layout",
+                                                              "a ferry.kv.CacheLayout");
+            const block_tables t = tables_arg(groups, who, "groups");
+            r.expect(tr, h, rid, layout, t.pairs);
+          },
+          py::arg("tracker"), py::arg("request"), py::arg("id"), py::arg("dst_layout"),
+          py::arg("groups"),
+          "Expects request `id` (added to the tracker as `request`): one transfer per layer, "
+          "ended by the producer's notification. The caller seals the request.")
+      .def(
+          "cancel",
+          [](kv::push_receiver& r, py::handle t) {
+            r.cancel(transfer_arg(t, "ferry.kv.PushReceiver.cancel").t);
+          },
+          py::arg("transfer"), "The tracker's cancel function.")
+      .def(
+          "receive",
+          [](const std::shared_ptr<kv::push_receiver>& r, py::handle link) {
+            static constexpr const char* who = "ferry.kv.PushReceiver.receive";
+            const auto l = link_arg(link, who);
+            auto t = std::make_shared<py_task>();
+            t->who = who;
+            auto out = std::make_shared<std::optional<std::error_code>>();
+            kv::ucx_link* lp = &*l->link;
+            kv::push_receiver* rp = r.get();
+            t->make = [lp, rp, out] { return store_result(rp->receive(*lp), out); };
+            t->result = [out] { return error_or_none(out->value_or(std::error_code())); };
+            t->keep = {py::cast(r), py::cast(l)};
+            return t;
+          },
+          py::arg("link"),
+          "Awaitable: takes the producer's notifications and ends the requests they name, until "
+          "the link fails or its endpoint is closed; then every request still expected fails "
+          "with that error, which the await returns. Runs on the awaiting loop's thread.")
+      .def_property_readonly("expected", &kv::push_receiver::expected)
+      .def_property_readonly("stale", &kv::push_receiver::stale);
 }
 
 }  // namespace ferry::python

@@ -29,6 +29,10 @@ PRELUDES = {
 tr = ferry.kv.LoadTracker()
 h = tr.add_request(1)
 ledger = ferry.kv.ReleaseLedger(lambda i: None)
+layout = ferry.kv.CacheLayout.kv_split(layers=2, blocks=4, block_size=2, total_heads=2, head_size=8)
+planner = ferry.kv.TransferPlanner(layout, (0, 1), layout, (0, 1))
+plan = planner.plan([([0], [1])])
+desc = ferry.kv.EngineDescription("e", 1, (0, 1), layout, [b"x"])
 """,
     "uring": CORE + """\
 import tempfile, ferry.uring
@@ -51,6 +55,11 @@ peer_region = peer.register_memory(bytearray(64))
 remote = ep.import_region(peer_region.describe())
 rs = remote.slice(0, 8)
 assert ep.get(ls, rs, 60).wait(60) == ferry.State.success
+layout = ferry.kv.CacheLayout.kv_split(layers=2, blocks=4, block_size=2, total_heads=2, head_size=8)
+plan = ferry.kv.TransferPlanner(layout, (0, 1), layout, (0, 1)).plan([([0], [1])])
+link = ferry.kv.UcxLink.from_peer_regions(ep, [region])
+pushed = ferry.kv.PushedRequest(link, 1, plan, 5)
+receiver = ferry.kv.PushReceiver()
 """,
 }
 
@@ -308,6 +317,17 @@ INSTANCES = {
     "MemoryRegion": ("ucx", "region"),
     "RemoteMemory": ("ucx", "remote"),
     "Listener": ("ucx", "w.listen('127.0.0.1')"),
+    "TpShard": ("kv", "ferry.kv.TpShard()"),
+    "TensorLayout": ("kv", "layout.layers[0].tensors[0]"),
+    "LayerLayout": ("kv", "layout.layers[0]"),
+    "CacheLayout": ("kv", "layout"),
+    "ByteRange": ("kv", "plan.layers[0][0]"),
+    "TransferPlan": ("kv", "plan"),
+    "TransferPlanner": ("kv", "planner"),
+    "EngineDescription": ("kv", "desc"),
+    "UcxLink": ("ucx", "link"),
+    "PushedRequest": ("ucx", "pushed"),
+    "PushReceiver": ("ucx", "receiver"),
 }
 # Calls that take None for every argument and then wait: Listener.accept's default timeout is 10 s.
 SWEEP_SKIPS = {"Listener.accept"}
