@@ -201,17 +201,23 @@ class pushed_request {
       throw std::logic_error("ferry::kv::pushed_request: layer " + std::to_string(layer) +
                              " of request " + std::to_string(id_) + " was written already");
     }
-    written_[layer] = true;
     const std::vector<byte_range>& ranges = plan_->layers[layer];
     const std::size_t first = writes_.size();
     writes_.resize(first + ranges.size());
     to_->write(ranges, std::span(writes_).subspan(first), timeout_);
+    written_[layer] = true;  // only once its writes were posted
   }
 
   /// Once every layer was written: waits for the writes to end, then tells the consumer whether
   /// they all landed (one notification). Returns the writes' verdict; the notification's transfer
   /// is notice(). A layer never written is a std::logic_error.
   [[nodiscard]] task<batch_result> finish() {
+    if (finished_) {
+      throw std::logic_error("ferry::kv::pushed_request::finish: request " + std::to_string(id_) +
+                             " was finished already (a second notice would end a later request "
+                             "with the same id)");
+    }
+    finished_ = true;
     for (std::size_t layer = 0; layer < written_.size(); ++layer) {
       if (!written_[layer]) {
         throw std::logic_error("ferry::kv::pushed_request::finish: layer " + std::to_string(layer) +
@@ -236,6 +242,7 @@ class pushed_request {
   const transfer_plan* plan_;
   std::chrono::nanoseconds timeout_;
   std::vector<bool> written_;
+  bool finished_ = false;
   std::vector<transfer> writes_;
   transfer notice_;
 };
@@ -244,6 +251,16 @@ class pushed_request {
 /// by the producer's notifications, which receive() takes. Give the tracker cancel() as its cancel
 /// function, so that a request whose notification never comes fails by its abort_timeout. One
 /// engine thread calls it, as it calls the tracker.
+///
+/// What the consumer cannot see, and the engine must arrange:
+/// - expect() a request before its producer can push it: a notice that comes first is counted in
+///   stale() and lost, and the request then fails by its abort_timeout although its data landed;
+/// - a request that failed by its abort_timeout is let go while its producer may still be writing
+///   into its blocks: give the producer's writes and notice a timeout shorter than the consumer's
+///   abort_timeout, or keep those blocks out of use until the late notice (stale()) or the link's
+///   failure;
+/// - do not expect an id again on a link while an earlier attempt's notice may still come: that
+///   notice would end the new attempt.
 class push_receiver {
  public:
   push_receiver() = default;
@@ -252,8 +269,8 @@ class push_receiver {
 
   /// Fails what is still expected (ferry::errc::abandoned), so that nothing waits on it.
   ~push_receiver() {
-    for (auto& [id, layers] : expected_) {
-      for (completer& c : layers) c.fail(make_error_code(ferry::errc::abandoned));
+    for (auto& [id, p] : expected_) {
+      for (completer& c : p.layers) c.fail(make_error_code(ferry::errc::abandoned));
     }
   }
 
@@ -267,21 +284,30 @@ class push_receiver {
       throw std::logic_error("ferry::kv::push_receiver: request " + std::to_string(id) +
                              " is expected already");
     }
+    // Every layer's block table first: a bad one throws before anything is made.
     const auto ids = detail::kv_connector::destination_ids(groups);
-    std::vector<completer> layers;
-    layers.reserve(dst.layers.size());
-    for (std::size_t layer = 0; layer < dst.layers.size(); ++layer) {
-      const std::span<const block_id> blocks = detail::kv_connector::layer_blocks(dst, ids, layer);
-      auto [t, c] = make_manual_transfer();
-      by_status_.emplace(t.status(), id);
-      tracker.add(request, layer, std::move(t), blocks);
-      layers.push_back(std::move(c));
+    std::vector<std::span<const block_id>> blocks(dst.layers.size());
+    for (std::size_t layer = 0; layer < blocks.size(); ++layer) {
+      blocks[layer] = detail::kv_connector::layer_blocks(dst, ids, layer);
     }
-    expected_.emplace(id, std::move(layers));
+    pending p;
+    p.layers.reserve(blocks.size());
+    p.statuses.reserve(blocks.size());
+    for (std::size_t layer = 0; layer < blocks.size(); ++layer) {
+      auto [t, c] = make_manual_transfer();
+      p.statuses.push_back(t.status());
+      p.layers.push_back(std::move(c));
+      // Throws for a handle the tracker refuses: the completers go with `p`, so the layers added
+      // so far end abandoned, and nothing here names their statuses.
+      tracker.add(request, layer, std::move(t), blocks[layer]);
+    }
+    for (const void* s : p.statuses) by_status_.insert_or_assign(s, id);
+    expected_.emplace(id, std::move(p));
   }
 
   /// The tracker's cancel function: a layer of a request whose notification did not come in time
-  /// ends cancelled (the request is then timed out), and so does the rest of that request.
+  /// ends cancelled, and so does the rest of that request. Its verdict says timed_out until then;
+  /// take_finished then hands it back as failed, with ferry::errc::cancelled.
   void cancel(const transfer& t) {
     const auto found = by_status_.find(t.status());
     if (found == by_status_.end()) return;
@@ -323,15 +349,19 @@ class push_receiver {
   void end(request_id id, transfer_state to, std::error_code ec) {
     const auto found = expected_.find(id);
     if (found == expected_.end()) return;
-    std::vector<completer> layers = std::move(found->second);
+    pending p = std::move(found->second);
     expected_.erase(found);
-    for (auto it = by_status_.begin(); it != by_status_.end();) {
-      it = it->second == id ? by_status_.erase(it) : std::next(it);
-    }
-    for (completer& c : layers) c.complete(to, ec);
+    for (const void* s : p.statuses) by_status_.erase(s);
+    for (completer& c : p.layers) c.complete(to, ec);
   }
 
-  std::unordered_map<request_id, std::vector<completer>> expected_;
+  // A request expected: its layers' completers, and their statuses (the keys of by_status_).
+  struct pending {
+    std::vector<completer> layers;
+    std::vector<const void*> statuses;
+  };
+
+  std::unordered_map<request_id, pending> expected_;
   std::unordered_map<const void*, request_id> by_status_;
   std::uint64_t stale_ = 0;
 };
