@@ -133,7 +133,10 @@ namespace ferry::kv {
 
 /// Pull: reads every layer of a request with `plan` from `from` and adds each layer's transfers to
 /// `tracker` under `request` (the layer's destination blocks: the request's block table for the
-/// layer's group in `dst`). The caller seals the request. `timeout` bounds each read.
+/// layer's group in `dst`). The caller seals the request. `timeout` bounds each read. The request
+/// must be open (not sealed): each layer's reads are posted before the tracker takes them, so if
+/// it refuses them (it throws), reads already posted still land; abort the request then and keep
+/// its blocks out of use until they have ended.
 template <one_sided_link Link, class Rep, class Period>
 void pull(Link& from, const transfer_plan& plan, const cache_layout& dst,
           std::span<const block_pairs> groups, load_tracker& tracker,
