@@ -726,7 +726,10 @@ void add_kv_ucx(py::module_& parent) {
           "the link fails or its endpoint is closed; then every request still expected fails "
           "with that error, which the await returns. Runs on the awaiting loop's thread.")
       .def_property_readonly("expected", &kv::push_receiver::expected)
-      .def_property_readonly("stale", &kv::push_receiver::stale);
+      .def_property_readonly("stale", &kv::push_receiver::stale)
+      .def_property_readonly("draining", &kv::push_receiver::draining,
+                             "Requests that timed out and wait for their late notice (or the "
+                             "link's failure) before the tracker lets go of their blocks.");
 }
 
 }  // namespace ferry::python

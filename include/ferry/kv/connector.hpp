@@ -253,15 +253,13 @@ class pushed_request {
 /// Push, on the consumer: tracks pushed requests in a load_tracker (one transfer per layer), ended
 /// by the producer's notifications, which receive() takes. Give the tracker cancel() as its cancel
 /// function, so that a request whose notification never comes fails by its abort_timeout. One
-/// engine thread calls it, as it calls the tracker.
+/// engine thread calls it, as it calls the tracker. A request that times out is let go only once
+/// nothing can write into its blocks any more: its late notification or the link's failure (a
+/// producer must therefore send every notice, "failed" included, or close the link).
 ///
 /// What the consumer cannot see, and the engine must arrange:
 /// - expect() a request before its producer can push it: a notice that comes first is counted in
 ///   stale() and lost, and the request then fails by its abort_timeout although its data landed;
-/// - a request that failed by its abort_timeout is let go while its producer may still be writing
-///   into its blocks: give the producer's writes and notice a timeout shorter than the consumer's
-///   abort_timeout, or keep those blocks out of use until the late notice (stale()) or the link's
-///   failure;
 /// - do not expect an id again on a link while an earlier attempt's notice may still come: that
 ///   notice would end the new attempt.
 class push_receiver {
@@ -308,13 +306,17 @@ class push_receiver {
     expected_.emplace(id, std::move(p));
   }
 
-  /// The tracker's cancel function: a layer of a request whose notification did not come in time
-  /// ends cancelled, and so does the rest of that request. Its verdict says timed_out until then;
-  /// take_finished then hands it back as failed, with ferry::errc::cancelled.
+  /// The tracker's cancel function, for a request whose notification did not come in time (its
+  /// verdict is timed_out): the request drains. Its producer may still be writing into its blocks,
+  /// so its transfers stay pending (the tracker keeps the request and its blocks) until the late
+  /// notification comes or the link fails; then they end cancelled, and take_finished hands the
+  /// request back (as failed, ferry::errc::cancelled).
   void cancel(const transfer& t) {
     const auto found = by_status_.find(t.status());
     if (found == by_status_.end()) return;
-    end(found->second, transfer_state::cancelled, {});
+    pending& p = expected_.at(found->second);
+    if (!p.draining) ++draining_;
+    p.draining = true;
   }
 
   /// Takes the producer's notifications from `from` and ends the requests they name, until the
@@ -333,8 +335,12 @@ class push_receiver {
         co_return why;
       }
       const push_notice n = push_notice::decode(value);
-      if (!expected_.contains(n.request)) {
+      const auto found = expected_.find(n.request);
+      if (found == expected_.end()) {
         ++stale_;
+      } else if (found->second.draining) {
+        ++stale_;  // late: the request timed out, and now nothing more will write into it
+        end(n.request, transfer_state::cancelled, {});
       } else if (n.failed) {
         end(n.request, transfer_state::failed, make_error_code(errc::push_failed));
       } else {
@@ -343,9 +349,13 @@ class push_receiver {
     }
   }
 
-  /// Requests expected whose notification has not come.
+  /// Requests that timed out and wait for their late notification (or the link's failure) before
+  /// the tracker may let go of their blocks.
+  [[nodiscard]] std::size_t draining() const noexcept { return draining_; }
+  /// Requests expected whose notification has not come (draining ones included).
   [[nodiscard]] std::size_t expected() const noexcept { return expected_.size(); }
-  /// Notifications for requests that were not expected: late (after a timeout) or unknown.
+  /// Notifications for requests that were not expected, or that came after their request timed
+  /// out (those end the draining request).
   [[nodiscard]] std::uint64_t stale() const noexcept { return stale_; }
 
  private:
@@ -354,6 +364,7 @@ class push_receiver {
     if (found == expected_.end()) return;
     pending p = std::move(found->second);
     expected_.erase(found);
+    if (p.draining) --draining_;
     for (const void* s : p.statuses) by_status_.erase(s);
     for (completer& c : p.layers) c.complete(to, ec);
   }
@@ -362,11 +373,13 @@ class push_receiver {
   struct pending {
     std::vector<completer> layers;
     std::vector<const void*> statuses;
+    bool draining = false;  // timed out: ends with its late notification or the link's failure
   };
 
   std::unordered_map<request_id, pending> expected_;
   std::unordered_map<const void*, request_id> by_status_;
   std::uint64_t stale_ = 0;
+  std::size_t draining_ = 0;
 };
 
 }  // namespace ferry::kv
