@@ -202,10 +202,12 @@ wait "$proxy_pid" 2>/dev/null
 # A run cut by the target's death: the batch's failure, said once.
 kill -9 "$target"
 wait "$target" 2>/dev/null
+# The log already holds the first target's "tcp on" line: wait for one more.
+listening=$(grep -c "tcp on 127.0.0.1:$port" "$work/target.log")
 "$perf" target --backend tcp --listen "127.0.0.1:$port" --timeout 2 >>"$work/target.log" 2>&1 &
 target=$!
 for _ in $(seq 100); do
-  grep -q "tcp on 127.0.0.1:$port" "$work/target.log" && break
+  [ "$(grep -c "tcp on 127.0.0.1:$port" "$work/target.log")" -gt "$listening" ] && break
   sleep 0.05
 done
 ( sleep 1.5; kill -9 "$target" ) &
