@@ -5,15 +5,10 @@
 # Each case runs in a process of its own, so that a crash fails its test instead of ending the whole
 # run. The processes are started together, a few at a time, the first time a test asks for its
 # result; each test then checks its own case's.
-import concurrent.futures
-import os
-import subprocess
-import sys
-import threading
-
 import pytest
 
 import ferry
+from bad_input_cases import CaseRunner, check_raised, said_by
 
 CORE = """\
 import ferry, ferry.kv, ferry.testing
@@ -408,44 +403,17 @@ def sweep_cases():
 
 SWEEP = sweep_cases()
 
-CHILD = """\
-{prelude}
-try:
-    {expression}
-except Exception as e:
-    print("RAISED", type(e).__name__, str(e).replace("\\n", " "))
-else:
-    print("RAISED nothing")
-"""
-
-
 def available(part):
     return part not in ("uring", "ucx") or hasattr(ferry, part)
 
 
-def run_case(part, expression):
-    """Runs `expression` after the part's prelude in a new interpreter; returns the process."""
-    code = CHILD.format(prelude=PRELUDES[part], expression=expression)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, env=os.environ)
+def every_case():
+    todo = [(p, e) for p, e, _, _ in CASES if available(p)]
+    return todo + [(p, e) for p, e, _ in SWEEP if (p, e) not in set(todo)]
 
 
-_results = {}
-_results_lock = threading.Lock()
-
-
-def result_of(part, expression):
-    """The finished process of one case. The first call starts every available case's process, a
-    few at a time; each still runs alone in its own interpreter."""
-    with _results_lock:
-        if not _results:
-            todo = [(p, e) for p, e, _, _ in CASES if available(p)]
-            todo += [(p, e) for p, e, _ in SWEEP if (p, e) not in set(todo)]
-            with concurrent.futures.ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
-                futures = {(p, e): pool.submit(run_case, p, e) for p, e in todo}
-            for key, fut in futures.items():
-                _results[key] = fut
-    return _results[(part, expression)].result()
+RUNNER = CaseRunner(PRELUDES.__getitem__, every_case)
+result_of = RUNNER.result
 
 
 @pytest.mark.parametrize("part,expression,exception,names", CASES,
@@ -453,20 +421,14 @@ def result_of(part, expression):
 def test_bad_input_raises_naming_the_function_and_the_argument(part, expression, exception, names):
     if not available(part):
         pytest.skip(f"ferry was built without ferry.{part}")
-    r = result_of(part, expression)
-    assert r.returncode == 0, f"{expression} ended the interpreter ({r.returncode}): {r.stderr}"
-    # The one line the case printed (UCX may log to stdout too).
-    said = next((line for line in r.stdout.splitlines() if line.startswith("RAISED ")), "")
-    assert said.startswith(f"RAISED {exception} "), f"{expression}: {said or r.stderr}"
-    assert names in said, f"{expression}: {said!r} does not name {names!r}"
-    assert "Unable to cast" not in said and "incompatible function arguments" not in said, said
+    check_raised(result_of(part, expression), expression, exception, names)
 
 
 @pytest.mark.parametrize("part,expression,who", SWEEP, ids=[c[1] for c in SWEEP])
 def test_none_for_every_argument_is_refused_by_name_or_taken_never_a_crash(part, expression, who):
     r = result_of(part, expression)
     assert r.returncode == 0, f"{expression} ended the interpreter ({r.returncode}): {r.stderr}"
-    said = next((line for line in r.stdout.splitlines() if line.startswith("RAISED ")), "")
+    said = said_by(r)
     assert said, f"{expression}: {r.stderr}"
     if said != "RAISED nothing":
         assert said.startswith(("RAISED TypeError ", "RAISED ValueError ")), f"{expression}: {said}"

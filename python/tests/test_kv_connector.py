@@ -4,11 +4,8 @@ in a process of its own), byte-exact; a producer killed mid-push fails the reque
 not by its timeout; bad input names the function and the argument, each case in its own process."""
 
 import asyncio
-import concurrent.futures
 import os
-import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -16,6 +13,7 @@ import pytest
 
 import ferry
 import ferry.kv as kv
+from bad_input_cases import CaseRunner, check_raised
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import kv_connector as example  # noqa: E402
@@ -263,43 +261,12 @@ CASES = [
     ("ucx", "receiver.receive(None)", TE, "ferry.kv.PushReceiver.receive: link"),
 ]
 
-CHILD = """\
-{prelude}
-try:
-    {expression}
-except Exception as e:
-    print("RAISED", type(e).__name__, str(e).replace("\\n", " "))
-else:
-    print("RAISED nothing")
-"""
-
-_results = {}
-_lock = threading.Lock()
-
-
-def run_case(part, expression):
-    code = CHILD.format(prelude=UCX if part == "ucx" else PRELUDE, expression=expression)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, env=os.environ)
-
-
-def result_of(part, expression):
-    with _lock:
-        if not _results:
-            todo = [(p, e) for p, e, _, _ in CASES if p != "ucx" or ferry.HAS_UCX]
-            with concurrent.futures.ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
-                for key in todo:
-                    _results[key] = pool.submit(run_case, *key)
-    return _results[(part, expression)].result()
+RUNNER = CaseRunner(lambda part: UCX if part == "ucx" else PRELUDE,
+                    lambda: [(p, e) for p, e, _, _ in CASES if p != "ucx" or ferry.HAS_UCX])
 
 
 @pytest.mark.parametrize("part,expression,exception,names", CASES, ids=[c[1] for c in CASES])
 def test_bad_input_names_the_function_and_the_argument(part, expression, exception, names):
     if part == "ucx" and not ferry.HAS_UCX:
         pytest.skip("ferry was built without ferry.ucx")
-    r = result_of(part, expression)
-    assert r.returncode == 0, f"{expression} ended the interpreter ({r.returncode}): {r.stderr}"
-    said = next((line for line in r.stdout.splitlines() if line.startswith("RAISED ")), "")
-    assert said.startswith(f"RAISED {exception} "), f"{expression}: {said or r.stderr}"
-    assert names in said, f"{expression}: {said!r} does not name {names!r}"
-    assert "Unable to cast" not in said and "incompatible function arguments" not in said, said
+    check_raised(RUNNER.result(part, expression), expression, exception, names)
