@@ -232,6 +232,22 @@ class endpoint {
     if (!state_->eng->executor().on_executor_thread()) (void)t.wait();
   }
 
+  /// Ends the endpoint at once for a reason the caller knows (a directory showed its peer restart
+  /// or go; named_peer calls this): it is force-closed without a flush, and every request on it,
+  /// out or made later, fails with `why`. Does not wait; any thread, the executor's included.
+  void sever(std::error_code why) const {
+    if (!state_) return;
+    if (!why) why = make_error_code(errc::endpoint_closed);
+    transfer t;
+    auto r = make(detail::request_kind::call, 1, &t);
+    r->call = [s = state_, why]() -> std::error_code {
+      s->fail(why);  // the first reason stays: requests out and later ones fail with `why`
+      s->eng->force_close(*s, why);
+      return {};
+    };
+    publish(r.release());
+  }
+
   ///@{
   /// Copies share the endpoint; the last handle to go closes it (see close()).
   endpoint(const endpoint&) = default;
