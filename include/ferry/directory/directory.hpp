@@ -521,8 +521,9 @@ class directory {
   /// Looks every name up; `done` once with one outcome per name, in order.
   virtual void start_lookup(std::vector<std::string> names, clock::time_point deadline,
                             lookup_fn done) = 0;
-  /// Starts delivering `w`'s events (w->deliver).
-  virtual void begin_watch(std::shared_ptr<detail::watch_state> w) = 0;
+  /// Starts delivering `w`'s events (w->deliver); calls `ready` once changes made from then on will
+  /// reach it (or once it has tried, when the service does not answer).
+  virtual void begin_watch(std::shared_ptr<detail::watch_state> w, std::function<void()> ready) = 0;
   /// Stops delivering `w`'s events.
   virtual void stop_watch(const std::shared_ptr<detail::watch_state>& w) = 0;
   /// The backend's I/O, polled each round (cheap when idle); returns what it handled.
@@ -591,8 +592,8 @@ class directory {
     started = std::move(t);
     post([this, w, c = std::move(c)]() mutable {
       watches_.push_back(w);
-      begin_watch(w);
-      c.succeed();
+      auto shared = std::make_shared<completer>(std::move(c));
+      begin_watch(w, [shared] { shared->succeed(); });
     });
     if (!exec_.on_executor_thread()) (void)started.wait();
     return w;

@@ -284,7 +284,10 @@ class local_directory final : public directory {
     done(std::move(out), {}, {});
   }
 
-  void begin_watch(std::shared_ptr<detail::watch_state> w) override { registry_->add_watch(w); }
+  void begin_watch(std::shared_ptr<detail::watch_state> w, std::function<void()> ready) override {
+    registry_->add_watch(w);
+    ready();
+  }
   void stop_watch(const std::shared_ptr<detail::watch_state>& w) override {
     registry_->remove_watch(w);
   }
