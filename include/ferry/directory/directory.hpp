@@ -290,8 +290,7 @@ class directory {
     p->lease = options.lease;
     const auto deadline = deadline_after(options.timeout);
     post([this, p, shared, deadline] {
-      const std::string name = p->name;
-      guard(shared, deadline, "publish '" + name + "'");
+      guard(shared, deadline, "publish '" + p->name + "'");
       start_publish(p, deadline, [this, p, shared](std::error_code ec, std::string what) {
         if (ec) {
           shared->fail(ec, std::move(what));
@@ -749,7 +748,7 @@ inline pending_result<directory_event> watcher::next(std::chrono::nanoseconds ti
     const auto deadline = directory::deadline_after(timeout);
     d->post([d, w = state_, id, deadline] {
       (void)d->at(deadline, [w, id] {
-        std::lock_guard lock(w->mutex);
+        std::lock_guard held(w->mutex);
         if (w->waiter && w->waiter_id == id) {
           std::exchange(w->waiter, nullptr)
               ->fail(make_error_code(directory_errc::deadline_exceeded),

@@ -137,6 +137,9 @@ class named_peer {
       std::lock_guard lock(mutex);
       if (ev.what == directory_event::kind::published) {
         newest = std::max(newest, ev.record.incarnation);
+        // The name is back (a restart, or the same incarnation put back after its lease was lost):
+        // the gone seen before no longer bars a lookup that finds this incarnation.
+        if (gone_at == ~std::uint64_t{0} || ev.record.incarnation >= gone_at) gone_at = 0;
         if (endpoint && ev.record.incarnation > bound) sever_locked(directory_errc::peer_restarted);
       } else {
         const std::uint64_t which = ev.record.incarnation == 0 ? ~std::uint64_t{0} : ev.record.incarnation;
@@ -173,7 +176,11 @@ class named_peer {
                                 "ferry::named_peer: '" + name + "' changed while connecting to " +
                                     "incarnation " + std::to_string(r.incarnation));
       }
-      if (endpoint && bound == r.incarnation) return *endpoint;  // another caller won the race
+      if (endpoint && bound == r.incarnation) {
+        // Another caller won the race: this duplicate was never handed out; close it.
+        sever(made, make_error_code(directory_errc::closed));
+        return *endpoint;
+      }
       endpoint = made;
       bound = r.incarnation;
       ++connects;
