@@ -117,7 +117,7 @@ wanting() {
 if wanting bogus; then echo "find_package(ferry COMPONENTS bogus) succeeded" >&2; exit 1; fi
 grep -q "ferry has no component 'bogus'" "$scratch/want.log" || {
   cat "$scratch/want.log" >&2; echo "find_package(ferry COMPONENTS bogus) did not say why" >&2; exit 1; }
-for p in uring verbs ucx gpu_hip gpu_cuda; do
+for p in uring verbs ucx etcd gpu_hip gpu_cuda; do
   case " $parts " in *" $(echo "$p" | tr _ -) "*) continue ;; esac
   if wanting "$p"; then echo "find_package(ferry COMPONENTS $p) succeeded without it" >&2; exit 1; fi
   grep -q "ferry::$p is not available: this ferry was built without" "$scratch/want.log" || {

@@ -25,14 +25,23 @@ struct usage_error : std::runtime_error {
 
 inline const char* usage_text() {
   return R"(usage:
-  ferry-perf target    --backend tcp|ucx|verbs --listen HOST:PORT [--once] [options]
-  ferry-perf initiator --backend tcp|ucx|verbs --connect HOST:PORT [options]
+  ferry-perf target    --backend tcp|ucx|verbs --listen HOST:PORT [--once]
+                       [--etcd URL --publish NAME] [options]
+  ferry-perf initiator --backend tcp|ucx|verbs (--connect HOST:PORT | --etcd URL --find NAME)
+                       [options]
   ferry-perf file      --path FILE [--direct] [options]
   ferry-perf --help
 
 The target serves initiators one run at a time on HOST:PORT (a control connection; the data goes
 over a second port the target picks and tells the initiator). The initiator measures and reports
 both sides, the target's CPU time included.
+
+finding the target by name (where ferry-perf was built with the etcd directory):
+  --etcd URL[,URL...]        etcd's client URLs (http://127.0.0.1:2379)
+  --publish NAME             target: publish its control address under NAME, on a lease its
+                             executor renews; the name goes when the target exits. With it,
+                             --listen HOST:0 listens on any free port
+  --find NAME                initiator: look NAME up and connect to the target published there
 
 options (initiator and file, except where marked; a target takes --executor, --timeout for its
 control exchanges, and for verbs --device and --gid-index):
@@ -90,6 +99,9 @@ struct config {
   std::string backend = "tcp";
   std::string listen;
   std::string connect;
+  std::vector<std::string> etcd;  // --etcd: the directory's endpoints
+  std::string publish;            // --publish NAME (target)
+  std::string find;               // --find NAME (initiator)
   std::string path;
   bool direct = false;
   bool once = false;
@@ -144,10 +156,10 @@ inline std::size_t parse_size(std::string_view text, const std::string& what) {
   }
   const std::optional<std::uint64_t> v = parse_whole(text.substr(0, digits));
   if (!v || shift == 64) {
-    throw usage_error(what + ": " + quoted(text) + " is not a size (a whole number of bytes, or with K, M or G)");
+    throw usage_error(what + ": " + in_quotes(text) + " is not a size (a whole number of bytes, or with K, M or G)");
   }
   if (*v == 0 || *v > (std::uint64_t{1} << 40) >> shift) {
-    throw usage_error(what + ": " + quoted(text) + " is not a size from 1 byte to 1T");
+    throw usage_error(what + ": " + in_quotes(text) + " is not a size from 1 byte to 1T");
   }
   return static_cast<std::size_t>(*v << shift);
 }
@@ -179,7 +191,7 @@ inline std::vector<std::size_t> parse_sizes(std::string_view text) {
 inline std::size_t parse_count(const std::string& text, const std::string& what, std::size_t max) {
   const std::optional<std::uint64_t> v = parse_whole(text);
   if (!v || *v == 0 || *v > max) {
-    throw usage_error(what + ": " + quoted(text) + " is not a whole number from 1 to " + std::to_string(max));
+    throw usage_error(what + ": " + in_quotes(text) + " is not a whole number from 1 to " + std::to_string(max));
   }
   return static_cast<std::size_t>(*v);
 }
@@ -189,19 +201,24 @@ inline std::size_t parse_count(const std::string& text, const std::string& what,
 inline double parse_seconds(const std::string& text, const std::string& what) {
   const std::optional<double> v = parse_real(text);
   if (!v || *v < 0.001 || *v > 86400) {
-    throw usage_error(what + ": " + quoted(text) + " is not a number of seconds from 0.001 to 86400");
+    throw usage_error(what + ": " + in_quotes(text) + " is not a number of seconds from 0.001 to 86400");
   }
   return *v;
 }
 
+// Port 0 (`any_port`: a target that publishes its address by name) means any free port.
 inline void split_host_port(const std::string& text, const std::string& what, std::string& host,
-                            std::uint16_t& port) {
+                            std::uint16_t& port, bool any_port = false) {
   const auto colon = text.rfind(':');
   if (colon == std::string::npos || colon == 0 || colon + 1 == text.size()) {
     throw usage_error(what + ": '" + text + "' is not HOST:PORT");
   }
   host = text.substr(0, colon);
   if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  if (any_port && text.substr(colon + 1) == "0") {
+    port = 0;
+    return;
+  }
   const std::size_t p = parse_count(text.substr(colon + 1), what + " port", 65535);
   port = static_cast<std::uint16_t>(p);
 }
@@ -236,6 +253,22 @@ inline config parse(int argc, char** argv) {
       c.listen = need();
     } else if (key == "--connect") {
       c.connect = need();
+    } else if (key == "--etcd") {
+      const std::string v = need();
+      c.etcd.clear();
+      for (std::size_t at = 0; at <= v.size();) {
+        const std::size_t comma = std::min(v.find(',', at), v.size());
+        const std::string url = v.substr(at, comma - at);
+        if (url.rfind("http://", 0) != 0 && url.rfind("https://", 0) != 0) {
+          throw usage_error("--etcd: " + in_quotes(url) + " is not an http:// or https:// URL");
+        }
+        c.etcd.push_back(url);
+        at = comma + 1;
+      }
+    } else if (key == "--publish") {
+      c.publish = need();
+    } else if (key == "--find") {
+      c.find = need();
     } else if (key == "--path") {
       c.path = need();
     } else if (key == "--direct") {
@@ -275,7 +308,7 @@ inline config parse(int argc, char** argv) {
     } else if (key == "--transport") {
       c.transport = need();
       if (!is_transport_list(c.transport)) {
-        throw usage_error("--transport: " + quoted(c.transport) +
+        throw usage_error("--transport: " + in_quotes(c.transport) +
                           " is not a UCX transport list (letters, digits and _ , ^ : . -)");
       }
     } else if (key == "--put-completion") {
@@ -290,7 +323,7 @@ inline config parse(int argc, char** argv) {
     } else if (key == "--gid-index") {
       const std::string v = need();
       const std::optional<std::uint64_t> n = parse_whole(v);
-      if (!n || *n > 255) throw usage_error("--gid-index: " + quoted(v) + " is not a GID index from 0 to 255");
+      if (!n || *n > 255) throw usage_error("--gid-index: " + in_quotes(v) + " is not a GID index from 0 to 255");
       c.gid_index = static_cast<int>(*n);
       c.gid_index_given = true;
     } else if (key == "--file-size") {
@@ -310,8 +343,23 @@ inline config parse(int argc, char** argv) {
     }
   }
   if (c.mode == "target" && c.listen.empty()) throw usage_error("target needs --listen HOST:PORT");
-  if (c.mode == "initiator" && c.connect.empty()) {
-    throw usage_error("initiator needs --connect HOST:PORT");
+  if (c.mode == "initiator" && c.connect.empty() == c.find.empty()) {
+    throw usage_error("initiator needs --connect HOST:PORT or --find NAME (one of them)");
+  }
+  if (!c.publish.empty() && c.mode != "target") throw usage_error("--publish is the target's");
+  if (!c.find.empty() && c.mode != "initiator") throw usage_error("--find is the initiator's");
+  if ((!c.publish.empty() || !c.find.empty()) && c.etcd.empty()) {
+    throw usage_error(std::string(c.publish.empty() ? "--find" : "--publish") +
+                      " needs --etcd URL: the directory the name is in");
+  }
+  for (const std::string* name : {&c.publish, &c.find}) {
+    for (const char ch : *name) {
+      const bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+                      ch == '.' || ch == '_' || ch == '-' || ch == ':' || ch == '/';
+      if (!ok || name->size() > 255) {
+        throw usage_error(in_quotes(*name) + " is not a directory name (1 to 255 of A-Z a-z 0-9 . _ - : /)");
+      }
+    }
   }
   if (c.mode == "file" && c.path.empty()) throw usage_error("file needs --path FILE");
   const std::string used = c.mode == "file" ? "file" : c.backend;
@@ -331,7 +379,7 @@ inline config parse(int argc, char** argv) {
   if (c.mode == "target" && c.backend == "verbs") {
     std::string host;
     std::uint16_t port = 0;
-    split_host_port(c.listen, "--listen", host, port);
+    split_host_port(c.listen, "--listen", host, port, !c.publish.empty());
     in6_addr any{};
     if (::inet_pton(AF_INET, host.c_str(), &any) != 1 && ::inet_pton(AF_INET6, host.c_str(), &any) != 1) {
       throw usage_error("--listen: a verbs target needs a numeric address to listen on, not '" + host + "'");

@@ -166,17 +166,17 @@ class control_line {
     control_line out;
     std::istringstream in(line);
     in >> out.word_;
-    if (out.word_ != word) throw control_error("expected a '" + word + "' line, not " + quoted(line));
+    if (out.word_ != word) throw control_error("expected a '" + word + "' line, not " + in_quotes(line));
     std::string token;
     while (in >> token) {
       const auto eq = token.find('=');
       if (eq == std::string::npos || eq == 0) {
-        throw control_error(out.word_ + ": " + quoted(token) + " is not a field (key=value)");
+        throw control_error(out.word_ + ": " + in_quotes(token) + " is not a field (key=value)");
       }
       const std::string key = token.substr(0, eq);
       bool known = false;
       for (std::string_view k : keys) known = known || k == key;
-      if (!known) throw control_error(out.word_ + ": unknown field " + quoted(token));
+      if (!known) throw control_error(out.word_ + ": unknown field " + in_quotes(token));
       if (!out.fields_.emplace(key, token.substr(eq + 1)).second) {
         throw control_error(out.word_ + ": field '" + key + "' given twice");
       }
@@ -197,7 +197,7 @@ class control_line {
     const std::string& v = text(key);
     const std::optional<std::uint64_t> n = parse_whole(v);
     if (!n || *n < lo || *n > hi) {
-      throw control_error(word_ + ": " + key + "=" + quoted(v) + " is not a whole number from " + std::to_string(lo) +
+      throw control_error(word_ + ": " + key + "=" + in_quotes(v) + " is not a whole number from " + std::to_string(lo) +
                           " to " + std::to_string(hi));
     }
     return *n;
@@ -208,7 +208,7 @@ class control_line {
     const std::string& v = text(key);
     const std::optional<double> n = parse_real(v);
     if (!n || *n < lo || *n > hi) {
-      throw control_error(word_ + ": " + key + "=" + quoted(v) + " is not a number of " + unit + " from " +
+      throw control_error(word_ + ": " + key + "=" + in_quotes(v) + " is not a number of " + unit + " from " +
                           format_real(lo) + " to " + format_real(hi));
     }
     return *n;
@@ -223,7 +223,7 @@ class control_line {
       if (v == a) return v;
       names += (names.empty() ? "" : ", ") + std::string(a);
     }
-    throw control_error(word_ + ": " + key + "=" + quoted(v) + " is not one of " + names);
+    throw control_error(word_ + ": " + key + "=" + in_quotes(v) + " is not one of " + names);
   }
 
  private:

@@ -18,6 +18,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -50,6 +51,7 @@
 #endif
 #endif
 
+#include "by_name.hpp"
 #include "check.hpp"
 #include "cli.hpp"
 #include "control.hpp"
@@ -703,7 +705,7 @@ point_result initiator_point(const config& c, std::size_t size, ferry::metrics::
   const auto data_port = static_cast<std::uint16_t>(ready.whole("port", 1, 65535));
   // A target that does not say it checks (one older than --check) would let every run pass.
   if (check.on && !(ready.has("check") && ready.text("check") == "1")) {
-    throw control_error("the target did not agree to check the data (its answer: " + quoted(reply) + ")");
+    throw control_error("the target did not agree to check the data (its answer: " + in_quotes(reply) + ")");
   }
   const run_shape shape = shape_of(c, size);
   ferry::progress_executor exec(executor_of(c));
@@ -782,7 +784,7 @@ point_result initiator_point(const config& c, std::size_t size, ferry::metrics::
       } else if (verdict.rfind("check failed ", 0) == 0) {
         if (p.error.empty()) p.error = "check failed on the target: " + verdict.substr(13);
       } else {
-        throw control_error("its report is not 'check ok' or 'check failed', but " + quoted(verdict));
+        throw control_error("its report is not 'check ok' or 'check failed', but " + in_quotes(verdict));
       }
     } catch (const std::exception& e) {
       if (p.error.empty()) p.error = std::string("the target did not report its check: ") + e.what();
@@ -907,7 +909,7 @@ run_request read_hello(const std::string& line, const config& c) {
   run_request r;
   try {
     if (line.rfind("hello", 0) != 0) {
-      throw control_error("not a ferry-perf initiator: its first line is " + quoted(line));
+      throw control_error("not a ferry-perf initiator: its first line is " + in_quotes(line));
     }
     const control_line h = control_line::parse(line, "hello",
                                                {"backend", "op", "threads", "slots", "block", "transport",
@@ -919,7 +921,7 @@ run_request read_hello(const std::string& line, const config& c) {
     r.block = h.whole("block", 1, most_buffer_bytes);
     r.transport = h.text("transport");
     if (!is_transport_list(r.transport)) {
-      throw control_error("hello: transport=" + quoted(r.transport) + " is not a UCX transport list");
+      throw control_error("hello: transport=" + in_quotes(r.transport) + " is not a UCX transport list");
     }
     r.duration = h.real("duration", 0.001, 86400, "seconds");
     r.timeout = h.real("timeout", 0.001, 86400, "seconds");
@@ -1074,7 +1076,7 @@ bool target_session(const config& c, control_socket& ctl, const std::string& hos
   auto wait_done = [&] {
     try {
       const std::string line = ctl.read_line(ms(run.duration + 4 * run.timeout + 30));
-      if (line != "done") throw control_error("its line after the run is not 'done' but " + quoted(line));
+      if (line != "done") throw control_error("its line after the run is not 'done' but " + in_quotes(line));
       initiator_done = true;
     } catch (const std::exception& e) {
       std::fprintf(stderr, "ferry-perf target: the run from %s ended without the initiator's done: %s\n", peer.c_str(),
@@ -1177,16 +1179,41 @@ bool target_session(const config& c, control_socket& ctl, const std::string& hos
   return initiator_done && check_passed;
 }
 
+// SIGTERM or SIGINT to a target that published its name: it stops serving and withdraws the name.
+volatile std::sig_atomic_t target_stop_requested = 0;
+extern "C" inline void request_target_stop(int) { target_stop_requested = 1; }
+
 // Serves runs until stopped; with --once, one run, and then the exit status says how it went. Every
 // run refused or failed is one line of the log, naming the initiator and why.
 int run_target(const config& c) {
   std::string host;
   std::uint16_t port = 0;
-  split_host_port(c.listen, "--listen", host, port);
+  split_host_port(c.listen, "--listen", host, port, !c.publish.empty());
   const int lfd = listen_control(host, port);
   std::fprintf(stderr, "ferry-perf target: %s on %s\n", c.backend.c_str(), c.listen.c_str());
+  // Published for as long as it serves: the name goes (withdrawn) when it returns, and one lease
+  // after it dies.
+  std::unique_ptr<published_target> published;
+  if (!c.publish.empty()) {
+    sockaddr_storage a{};
+    socklen_t n = sizeof a;
+    ::getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &n);
+    const std::uint16_t bound = ntohs(a.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6&>(a).sin6_port
+                                                               : reinterpret_cast<sockaddr_in&>(a).sin_port);
+    published = publish_target(c, host, bound);
+    struct sigaction sa{};
+    sa.sa_handler = &request_target_stop;
+    ::sigaction(SIGTERM, &sa, nullptr);
+    ::sigaction(SIGINT, &sa, nullptr);
+  }
   for (;;) {
     const int fd = accept_within(lfd, 1000ms);
+    if (target_stop_requested != 0) {
+      if (fd >= 0) ::close(fd);
+      ::close(lfd);
+      std::fprintf(stderr, "ferry-perf target: stopped; withdrawing %s\n", c.publish.c_str());
+      return 0;
+    }
     if (fd < 0) continue;
     control_socket ctl(fd);
     const std::string peer = peer_name(fd);
@@ -1318,6 +1345,12 @@ int run(int argc, char** argv) {
     const config c = parse(argc, argv);
     check_backend(c.mode == "file" ? "file" : c.backend);
     if (c.mode == "target") return run_target(c);
+    if (!c.find.empty()) {
+      config found = c;
+      found.connect = find_target(c);
+      std::fprintf(stderr, "ferry-perf initiator: %s is at %s\n", c.find.c_str(), found.connect.c_str());
+      return run_measurements(found);
+    }
     return run_measurements(c);
   } catch (const usage_error& e) {
     std::fprintf(stderr, "ferry-perf: %s\n\n%s", e.what(), usage_text());

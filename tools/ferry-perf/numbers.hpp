@@ -42,7 +42,7 @@ namespace ferry_perf {
 }
 
 // A value as a message quotes it: cut short, so that a line of garbage does not flood the log.
-[[nodiscard]] inline std::string quoted(std::string_view text) {
+[[nodiscard]] inline std::string in_quotes(std::string_view text) {
   constexpr std::size_t most = 40;
   std::string out = "'";
   for (char ch : text.substr(0, most)) out += (ch >= 0x20 && ch < 0x7f) ? ch : '?';
