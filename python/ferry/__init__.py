@@ -34,10 +34,11 @@ from ._ferry import (  # noqa: F401
 from ._aio import when_all  # noqa: F401
 
 kv = _ferry.kv
+directory = _ferry.directory
 testing = _ferry.testing
 HAS_URING = _ferry.HAS_URING
 HAS_UCX = _ferry.HAS_UCX
-_submodules = ["kv", "testing"]
+_submodules = ["kv", "directory", "testing"]
 if HAS_URING:
     uring = _ferry.uring
     _submodules.append("uring")
@@ -49,10 +50,11 @@ for _name in _submodules:
     _sys.modules[__name__ + "." + _name] = getattr(_ferry, _name)
 
 from . import _kv  # noqa: E402,F401  (adds LoadTracker.when_layer)
+from . import _directory  # noqa: E402,F401  (makes the directory's pending values awaitable)
 
 __all__ = [
     "Batch", "BatchResult", "Completer", "Errc", "Error", "Executor", "FerryError", "Loopback",
     "State", "Transfer", "TransferError", "TransferFailed", "Verdict", "collect", "drain",
     "make_completed_transfer", "make_manual_transfer", "poll_all", "wait_all", "when_all",
-    "kv", "testing",
+    "kv", "directory", "testing",
 ] + (["uring"] if HAS_URING else []) + (["ucx"] if HAS_UCX else [])

@@ -337,6 +337,7 @@ void add_core(py::module_& m);
 void add_asyncio(py::module_& m);
 void add_testing(py::module_& m);
 void add_kv(py::module_& m);
+void add_directory(py::module_& m);
 void add_bench(py::module_& m);
 #ifdef FERRY_PYTHON_URING
 void add_uring(py::module_& m);

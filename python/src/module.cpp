@@ -10,6 +10,7 @@ PYBIND11_MODULE(_ferry, m) {
   fp::add_asyncio(m);
   fp::add_testing(m);
   fp::add_kv(m);
+  fp::add_directory(m);
   fp::add_bench(m);
 #ifdef FERRY_PYTHON_URING
   fp::add_uring(m);

@@ -12,6 +12,7 @@
 #include <cmath>
 
 #include "common.hpp"
+#include "directory_binding.hpp"
 #include "ferry/kv/connector.hpp"
 #include "ferry/kv/ucx_link.hpp"
 #include "ferry/ucx.hpp"
@@ -302,7 +303,75 @@ void add_ucx(py::module_& parent) {
              e.endpoint.close();
            },
            "Closes the endpoint: later requests fail with Errc.endpoint_closed; those already out "
-           "get until the worker's close_timeout (default 5 s) to end, then are failed with it.");
+           "get until the worker's close_timeout (default 5 s) to end, then are failed with it.")
+      .def("sever",
+           [](py_endpoint& e, py::handle why) {
+             e.endpoint.sever(error_from(why, "ferry.ucx.Endpoint.sever", "why"));
+           },
+           py::arg("why"),
+           "Ends the endpoint at once: every request on it, out or later, fails with `why` (a "
+           "ferry.Error or an Errc value). Does not wait.");
+
+  // NamedPeer: an endpoint to the peer published under a name, bound to its incarnation (the
+  // C++ named_peer). `connect(record)` is Python, called on the thread of get() with the GIL; the
+  // fence (severing the endpoint when the directory shows a new incarnation or the name gone) is
+  // C++ only, on whichever thread delivers the change.
+  struct py_named_peer {
+    std::shared_ptr<py_directory> dir;
+    py::object connect;
+    std::shared_ptr<py_worker> worker;  // the last endpoint's, for the handles get() returns
+    std::unique_ptr<named_peer<ucx::endpoint>> peer;
+    ~py_named_peer() {
+      py::gil_scoped_release released;
+      peer.reset();
+    }
+  };
+  py::class_<py_named_peer, std::shared_ptr<py_named_peer>>(
+      m, "NamedPeer",
+      "An Endpoint to the peer published under a name in a ferry.directory, bound to its "
+      "incarnation: a new incarnation or the name going severs it at once (its transfers fail "
+      "with directory Errc.peer_restarted or Errc.peer_gone); the next get() connects afresh.")
+      .def(py::init([](py::handle directory, py::handle name, py::handle connect) {
+             static constexpr const char* who = "ferry.ucx.NamedPeer";
+             auto p = std::make_shared<py_named_peer>();
+             p->dir = shared_arg<py_directory>(directory, who, "directory",
+                                               "a ferry.directory.Directory");
+             p->connect = callable_arg(connect, who, "connect");
+             const std::string n = str_arg(name, who, "name");
+             std::weak_ptr<py_named_peer> weak = p;
+             p->peer = std::make_unique<named_peer<ucx::endpoint>>(
+                 p->dir->get(), n, [weak](const directory_record& r) -> ucx::endpoint {
+                   py::gil_scoped_acquire held;
+                   auto self = weak.lock();
+                   if (!self) throw std::logic_error("ferry.ucx.NamedPeer: gone");
+                   py::object made = self->connect(py::cast(r));
+                   auto& e = object_arg<py_endpoint>(made, "ferry.ucx.NamedPeer connect",
+                                                     "its result", "a ferry.ucx.Endpoint");
+                   self->worker = e.worker;
+                   return e.endpoint;
+                 });
+             return p;
+           }),
+           py::arg("directory"), py::arg("name"), py::arg("connect"))
+      .def(
+          "get",
+          [](py_named_peer& p, py::handle timeout) {
+            const auto t = timeout_arg(timeout, "ferry.ucx.NamedPeer.get");
+            ucx::endpoint ep;
+            {
+              py::gil_scoped_release released;
+              ep = p.peer->get(t.count() < 0
+                                   ? std::chrono::nanoseconds(-1)
+                                   : std::chrono::duration_cast<std::chrono::nanoseconds>(t));
+            }
+            return std::make_shared<py_endpoint>(py_endpoint{p.worker, std::move(ep)});
+          },
+          py::arg("timeout") = 5.0,
+          "The Endpoint to the current incarnation (looked up and connected when there is none).")
+      .def_property_readonly("incarnation", [](const py_named_peer& p) { return p.peer->incarnation(); })
+      .def_property_readonly("fenced",
+                             [](const py_named_peer& p) { return error_or_none(p.peer->fenced()); })
+      .def_property_readonly("connects", [](const py_named_peer& p) { return p.peer->connects(); });
 
   py::class_<py_listener, std::shared_ptr<py_listener>>(m, "Listener")
       .def_property_readonly("port", [](const py_listener& l) { return l.listener->port(); })
