@@ -510,6 +510,34 @@ TEST_CASE("verbs: closing a queue pair ends what it holds once the adapter has f
   fabric::instance().inject_port_up(r.b->native_context());
 }
 
+TEST_CASE("verbs: a severed queue pair fails what it holds and what comes later with the reason "
+          "given, once the adapter has flushed it",
+          "[verbs]") {
+  rig r;
+  region src = region::allocate(*r.a, 64);
+  fabric::instance().inject_port_down(r.b->native_context());  // the WRITE waits in the adapter
+  transfer t = r.a_qp->write(src.slice(0, 64), r.b_mem->remote().slice(0, 64));
+  std::atomic<int> in_use_then{-1};
+  note_in_use_at_end(t, src, in_use_then);
+  REQUIRE(ferry_test::wait_until([&] { return r.a->counters().work_requests_posted >= 1; }));
+  const std::error_code why = std::make_error_code(std::errc::owner_dead);  // a directory's, say
+  r.a_qp->sever(why);
+  REQUIRE(t.wait_for(hang_bound) == transfer_state::failed);
+  CHECK(t.error() == why);
+  REQUIRE(ferry_test::wait_until([&] { return in_use_then.load() != -1; }));
+  CHECK(in_use_then.load() == 0);  // it ended with its flush, not before
+  CHECK(r.a_qp->error() == why);
+  transfer later = r.a_qp->write(src.slice(0, 64), r.b_mem->remote().slice(0, 64));
+  REQUIRE(later.wait_for(hang_bound) == transfer_state::failed);
+  CHECK(later.error() == why);
+  r.a_qp->sever(std::make_error_code(std::errc::io_error));  // the first reason stays
+  // Two executor rounds: the second sever has arrived and been handled.
+  r.exec_a->sync();
+  r.exec_a->sync();
+  CHECK(r.a_qp->error() == why);
+  fabric::instance().inject_port_up(r.b->native_context());
+}
+
 TEST_CASE("verbs: closing a queue pair the adapter never flushes still ends what it holds",
           "[verbs]") {
   fv::queue_pair_options o;

@@ -354,6 +354,13 @@ class basic_device : detail::qp_setup<P>,
     regions_.fetch_sub(1, std::memory_order_release);
   }
 
+  void sever_queue_pair(qp_state* s, std::error_code why) {
+    op_body* o = detail::op<P>::make(detail::op_kind::sever);
+    o->qp = s;
+    o->reason = why;
+    publish(o);
+  }
+
   void close_queue_pair(qp_state* s) noexcept {
     publish(s->close_op);
     queue_pairs_.fetch_sub(1, std::memory_order_release);

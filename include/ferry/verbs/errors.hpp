@@ -30,6 +30,7 @@ enum class errc : int {
   queue_pair_timed_out,   ///< a request's deadline passed in the adapter: the queue pair was flushed
   peer_unreachable,       ///< the peer did not answer (IBV_WC_RETRY_EXC_ERR): a check or a request
   bad_notification,       ///< a received message is not a ferry notification
+  severed,                ///< queue_pair::sever ended it; its transfers fail with the reason given
 };
 
 namespace detail {
@@ -125,6 +126,8 @@ class work_completion_category_impl final : public std::error_category {
              "yet, or the path to it is down; nothing more can be posted on the queue pair";
     case errc::bad_notification:
       return "received message is not a ferry notification (a peer not speaking ferry's protocol)";
+    case errc::severed:
+      return "the queue pair was severed (its peer restarted or went, as a directory showed)";
   }
   return nullptr;
 }

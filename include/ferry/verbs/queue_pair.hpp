@@ -82,7 +82,14 @@ class basic_queue_pair {
   /// Empty while usable; otherwise why nothing more can be posted.
   [[nodiscard]] std::error_code error() const noexcept {
     const int b = state_->broken.load(std::memory_order_acquire);
-    return b == 0 ? std::error_code{} : make_error_code(static_cast<errc>(b));
+    return b == 0 ? std::error_code{} : state_->broken_error(b);
+  }
+
+  /// Ends the queue pair at once for a reason the caller knows (a directory showed its peer restart
+  /// or go; named_peer calls this): it moves to the error state, and every request on it, posted or
+  /// made later, fails with `why` (errc::severed when empty). Does not wait; any thread.
+  void sever(std::error_code why) const {
+    state_->device->sever_queue_pair(state_, why ? why : make_error_code(errc::severed));
   }
 
   /// Work requests the send queue holds (queue_pair_options::send_depth, or less where the adapter

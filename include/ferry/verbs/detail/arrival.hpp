@@ -46,8 +46,9 @@ struct arrival {
         &arrival::route_open,   // open
         &arrival::route_close,  // close
         &arrival::route_unit,   // peer_check
+        &arrival::route_sever,  // sever
     };
-    static_assert(std::size(by_kind) == static_cast<std::size_t>(op_kind::peer_check) + 1);
+    static_assert(std::size(by_kind) == static_cast<std::size_t>(op_kind::sever) + 1);
     (this->*by_kind[static_cast<std::size_t>(o->kind)])(o);
   }
 
@@ -61,6 +62,16 @@ struct arrival {
     if (const int f = self().failure_.load(std::memory_order_relaxed); f != 0) {
       self().break_queue_pair(q, static_cast<errc>(f));
     }
+  }
+
+  // queue_pair::sever: broken with the caller's reason (the first reason stays).
+  void route_sever(op_body* lead) noexcept {
+    qp_state* q = lead->qp;
+    const std::error_code why = lead->reason;
+    op::free(lead);
+    if (q->broken.load(std::memory_order_relaxed) != 0) return;
+    q->sever_reason = why;
+    self().break_queue_pair(q, errc::severed);
   }
 
   void route_close(op_body* lead) noexcept {
@@ -85,9 +96,7 @@ struct arrival {
 
   [[nodiscard]] std::error_code refusal(const qp_state* q) const noexcept {
     if (self().shutting_down_) return make_error_code(ferry::errc::backend_shut_down);
-    if (const int b = q->broken.load(std::memory_order_relaxed); b != 0) {
-      return make_error_code(static_cast<errc>(b));
-    }
+    if (const int b = q->broken.load(std::memory_order_relaxed); b != 0) return q->broken_error(b);
     return {};
   }
 

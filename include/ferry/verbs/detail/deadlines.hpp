@@ -206,7 +206,7 @@ struct deadlines {
     if (first == nullptr) return;
     if (overdue) flushes_overdue_.fetch_add(1, std::memory_order_relaxed);
     const int b = q->broken.load(std::memory_order_relaxed);
-    const std::error_code why = make_error_code(static_cast<errc>(b != 0 ? b : 1));
+    const std::error_code why = q->broken_error(b != 0 ? b : 1);
     for (op_body* l = q->posted_head; l != nullptr; l = l->list_next) {
       self().fail_unit(l, l->expired ? make_error_code(errc::deadline_exceeded) : why);
     }

@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <system_error>
 #include <type_traits>
 
 #include "ferry/detail/block_pool.hpp"
@@ -28,7 +29,9 @@ using ferry::detail::status_block;
 template <class P>
 struct region_state;
 
-enum class op_kind : std::uint8_t { write, read, notify, wait_notification, open, close, peer_check };
+enum class op_kind : std::uint8_t {
+  write, read, notify, wait_notification, open, close, peer_check, sever
+};
 
 template <class P>
 struct qp_state;
@@ -58,6 +61,7 @@ struct op_body {
   std::uint64_t payload = 0;         // a notification's value, sent inline
   std::uint64_t published_ns = 0;    // a lead's, on a device that records metrics
   std::uint64_t* value_out = nullptr;  // where a received notification's value goes
+  std::error_code reason{};            // a sever's: what the queue pair's transfers fail with
   ibv_sge sge{};
   ibv_send_wr wr{};
 };

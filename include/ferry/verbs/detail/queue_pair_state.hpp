@@ -9,12 +9,14 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include <infiniband/verbs.h>
 
 #include "ferry/detail/op_queue.hpp"
 #include "ferry/detail/timer_service.hpp"
+#include "ferry/verbs/errors.hpp"
 #include "ferry/verbs/detail/op.hpp"
 #include "ferry/verbs/detail/qp_lifecycle.hpp"
 
@@ -75,6 +77,14 @@ struct qp_state {
   // 0 while usable; else the verbs::errc that ended it (read by submitters to fail fast). Set
   // before the lifecycle moves to broken, so that whoever sees broken finds the reason.
   std::atomic<int> broken{0};
+  // When broken is errc::severed: the reason queue_pair::sever gave. Written by the executor before
+  // broken is set (release), read only after broken is seen severed (acquire).
+  std::error_code sever_reason;
+
+  // Why the queue pair can carry nothing more, given broken's value `b` (not 0).
+  [[nodiscard]] std::error_code broken_error(int b) const noexcept {
+    return b == static_cast<int>(errc::severed) ? sever_reason : make_error_code(static_cast<errc>(b));
+  }
   qp_lifecycle lifecycle;  // created, connected, broken, closing: qp_lifecycle.hpp
   // The peer is known to be connected too: the handshake said so, the user did
   // (mark_peer_connected), or something came back from it. Only then are peer checks sent. Not a

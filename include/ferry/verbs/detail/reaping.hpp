@@ -102,9 +102,7 @@ struct reaping {
     if (wc.status == IBV_WC_WR_FLUSH_ERR) {
       if (lead->expired) return make_error_code(errc::deadline_exceeded);
       const int b = lead->qp->broken.load(std::memory_order_relaxed);
-      if (b != 0 && b != static_cast<int>(errc::queue_pair_error)) {
-        return make_error_code(static_cast<errc>(b));
-      }
+      if (b != 0 && b != static_cast<int>(errc::queue_pair_error)) return lead->qp->broken_error(b);
     }
     return make_error_code(static_cast<ibv_wc_status>(wc.status));
   }

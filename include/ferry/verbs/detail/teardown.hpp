@@ -42,8 +42,7 @@ struct teardown {
     int none = 0;
     q->broken.compare_exchange_strong(none, static_cast<int>(why), std::memory_order_release,
                                       std::memory_order_relaxed);
-    const std::error_code ec =
-        make_error_code(static_cast<errc>(q->broken.load(std::memory_order_relaxed)));
+    const std::error_code ec = q->broken_error(q->broken.load(std::memory_order_relaxed));
     // created or connected -> broken; already broken or closing, it stays so. The reason was
     // stored first, so that a submitter that sees the new state finds it.
     if (q->lifecycle.break_off() && move) {
