@@ -523,6 +523,39 @@ TEST_CASE("tcp: closing a connection ends its transfers", "[tcp][concurrency]") 
   CHECK(refused.error() == ferry::uring::errc::connection_closed);
 }
 
+TEST_CASE("tcp: a severed connection fails what is in flight, queued and later with the reason "
+          "given",
+          "[tcp][concurrency]") {
+  FERRY_REQUIRE_URING();
+  ferry::progress_executor exec;
+  uring::ring r(exec);
+  int sv[2];
+  REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
+  const std::size_t filled = fill_socket(sv[0]);  // sends stall: the peer reads nothing
+  (void)filled;
+  auto conn = std::make_shared<uring::tcp_connection>(r, sv[0]);  // as named_peer holds it
+  const auto payload = byte_pattern(100, 1);
+  ferry::transfer send_in_flight = conn->send(1, payload);
+  ferry::transfer send_queued = conn->send(2, payload);
+  std::vector<std::byte> dst(100);
+  uring::received_block a, b;
+  ferry::transfer receive_in_flight = conn->receive(dst, a);
+  ferry::transfer receive_queued = conn->receive(dst, b);
+  CHECK(send_in_flight.wait_for(20ms) == transfer_state::pending);
+  CHECK(receive_in_flight.state() == transfer_state::pending);
+  const std::error_code why = std::make_error_code(std::errc::owner_dead);  // a directory's, say
+  conn->sever(why);
+  for (ferry::transfer* t : {&send_in_flight, &send_queued, &receive_in_flight, &receive_queued}) {
+    REQUIRE(t->wait_for(hang_bound) == transfer_state::failed);
+    CHECK(t->error() == why);
+  }
+  CHECK(conn->send(3, payload).error() == why);
+  CHECK(conn->receive(dst, a).error() == why);
+  conn->sever(std::make_error_code(std::errc::io_error));  // the first reason stays
+  CHECK(conn->send(4, payload).error() == why);
+  ::close(sv[1]);
+}
+
 TEST_CASE("tcp: sends are never stuck behind receives that fill the ring", "[tcp][concurrency]") {
   FERRY_REQUIRE_URING();
   ferry::progress_executor exec;

@@ -211,6 +211,25 @@ class tcp_connection {
     engine_->connection_closed();
   }
 
+  /// Ends the connection at once for a reason the caller knows (a directory showed its peer restart
+  /// or go; named_peer calls this, through a std::shared_ptr<tcp_connection>): the socket is shut
+  /// down, and every send and receive on it, in flight, queued or made later, fails with `why`
+  /// (errc::connection_closed when empty). The first reason stays. Does not wait; any thread. The
+  /// handle stays open until closed or destroyed.
+  void sever(std::error_code why) {
+    if (state_ == nullptr) return;
+    int none = 0;
+    if (state_->sever_state.compare_exchange_strong(none, 1, std::memory_order_acq_rel)) {
+      state_->sever_reason = why ? why : make_error_code(errc::connection_closed);
+      state_->sever_state.store(2, std::memory_order_release);
+    }
+    ::shutdown(state_->fd, SHUT_RDWR);
+    detail::op* s = detail::op::make(detail::sever_handlers);
+    state_->refs.fetch_add(1, std::memory_order_relaxed);
+    s->connection = state_;
+    engine_->post(s);
+  }
+
   /// Exchanges the two handles' connections.
   void swap(tcp_connection& other) noexcept {
     std::swap(engine_, other.engine_);
@@ -221,6 +240,9 @@ class tcp_connection {
   [[nodiscard]] transfer send(std::uint64_t block_id, std::span<const std::byte> payload) {
     if (state_ == nullptr) {
       return make_completed_transfer(transfer_state::failed, errc::connection_closed);
+    }
+    if (const std::error_code why = state_->severed()) {
+      return make_completed_transfer(transfer_state::failed, why);
     }
     detail::op* o = detail::op::make(detail::send_handlers);
     o->fd = state_->fd;
@@ -237,6 +259,9 @@ class tcp_connection {
   [[nodiscard]] transfer receive(std::span<std::byte> dst, received_block& out) {
     if (state_ == nullptr) {
       return make_completed_transfer(transfer_state::failed, errc::connection_closed);
+    }
+    if (const std::error_code why = state_->severed()) {
+      return make_completed_transfer(transfer_state::failed, why);
     }
     detail::op* o = detail::op::make(detail::receive_handlers);
     o->fd = state_->fd;

@@ -44,6 +44,14 @@ struct connection_state {
   msghdr send_message{};
   std::error_code send_error;     // once set, every later send fails with it
   std::error_code receive_error;  // likewise for receives
+  // tcp_connection::sever: the reason every operation on it ends with from then on (any thread:
+  // sever_state 2 is stored with release once the reason is written; 1 while it is written).
+  std::atomic<int> sever_state{0};
+  std::error_code sever_reason;
+
+  [[nodiscard]] std::error_code severed() const noexcept {
+    return sever_state.load(std::memory_order_acquire) == 2 ? sever_reason : std::error_code{};
+  }
   // On a ring that records metrics: the peer's address (its IP, without the port, so that every
   // connection from one host adds up), set when the handle is made; and its figures for sends and
   // receives, looked up by the executor at the first of each that ends.

@@ -51,4 +51,25 @@ inline void detach(engine& e, op* d) noexcept {
 
 inline constexpr op_handlers detach_handlers{op_kind::detach, detach, nullptr, nullptr, nullptr};
 
+// tcp_connection::sever (its socket already shut down, its reason set): what is queued or waiting
+// for room ends now (failed with the reason: engine::finish), and every later send and receive
+// fails at once.
+inline void sever(engine& e, op* s) noexcept {
+  connection_state* c = s->connection;
+  op::pool::release(s);
+  const std::error_code why = c->severed();
+  if (!c->send_error) c->send_error = why;
+  if (!c->receive_error) c->receive_error = why;
+  end_waiting_for_room(e, c);
+  if (!c->sending) {
+    while (op* o = c->sends.pop()) e.finish(o, transfer_state::failed, why);
+  }
+  if (!c->receiving) {
+    while (op* o = c->receives.pop()) e.finish(o, transfer_state::failed, why);
+  }
+  c->release();  // the sever op's reference
+}
+
+inline constexpr op_handlers sever_handlers{op_kind::sever, sever, nullptr, nullptr, nullptr};
+
 }  // namespace ferry::uring::detail

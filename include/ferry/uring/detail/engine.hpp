@@ -279,6 +279,13 @@ class engine : public admission {
     // Written before complete() publishes the state (release), so a caller that sees the transfer
     // terminal reads the count.
     if (o->transferred != nullptr) *o->transferred = o->done;
+    // A severed connection's operations that do not succeed end with the reason it was given.
+    if (c != nullptr && to != transfer_state::success) {
+      if (const std::error_code why = c->severed()) {
+        to = transfer_state::failed;
+        ec = why;
+      }
+    }
     if (o->published_ns != 0) record(o, to);
     op::pool::release(o);
     s->complete(to, ec);

@@ -26,7 +26,7 @@ using ferry::detail::status_block;
 // The kinds the engine tells apart for room in the ring (admission.hpp); everything else a kind
 // does is in its handlers.
 enum class op_kind : std::uint8_t {
-  read, write, readv, writev, send, receive, cancel, detach, call, shutdown, connect, accept
+  read, write, readv, writev, send, receive, cancel, detach, call, shutdown, connect, accept, sever
 };
 
 // A connect or an accept waits on a peer, as a receive does: it takes its room from the receives'
