@@ -10,11 +10,12 @@ cd "$(dirname "$0")/.."
 mode=${1:-}
 # One set-up for both: everything either command uses (doxygen: the docs target). The tests add the
 # second compiler, Catch2, CMake (for the installed-package check), debootstrap (for the
-# fresh-root-demo test) and meson-python, venv and pip (for the pip-install test).
-packages="g++ meson ninja-build pkg-config liburing-dev libibverbs-dev libucx-dev libamdhip64-dev libasio-dev fio iperf3 ucx-utils python3-dev pybind11-dev doxygen"
+# fresh-root-demo test), meson-python, venv and pip (for the pip-install test) and etcd (the
+# directory's tests start one on 127.0.0.1).
+packages="g++ meson ninja-build pkg-config liburing-dev libibverbs-dev libucx-dev libamdhip64-dev libasio-dev libcurl4-openssl-dev nlohmann-json3-dev fio iperf3 ucx-utils python3-dev pybind11-dev doxygen"
 case "$mode" in
   demo) ;;
-  test) packages="$packages clang catch2 cmake debootstrap python3-pytest python3-numpy iproute2 python3-mesonpy python3-venv python3-pip" ;;
+  test) packages="$packages clang catch2 cmake debootstrap python3-pytest python3-numpy iproute2 python3-mesonpy python3-venv python3-pip etcd-server" ;;
   *) echo "usage: $0 demo|test" >&2; exit 2 ;;
 esac
 echo "ferry quick start: scripts/quickstart.sh $mode"
