@@ -201,6 +201,8 @@ TEST_CASE("local_directory: a lease lost while the executor stalled is put back,
   ferry::directory_event ev = take(watch.next(hang_bound));
   CHECK(ev.what == ferry::directory_event::kind::gone);
   CHECK(ev.record.incarnation == p.incarnation());
+  // (The registry tells the named_peer's watch just after this test's own.)
+  REQUIRE(ferry_test::wait_until([&] { return e1.severed() != 0; }, hang_bound));
   CHECK(e1.severed() == static_cast<int>(ferry::directory_errc::peer_gone));
 
   // It comes back: the record is put back under the same incarnation, and the lease held again.

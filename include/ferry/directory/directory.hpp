@@ -671,7 +671,8 @@ class directory {
   };
   wake_node wake_;
   clock::time_point armed_for_ = clock::time_point::max();
-  bool stopping_ = false;
+  // Set by stop() on the caller's thread while the executor may still poll and read it.
+  std::atomic<bool> stopping_{false};
   std::vector<std::shared_ptr<detail::publication_state>> live_;  // executor only
   std::vector<std::shared_ptr<detail::watch_state>> watches_;     // executor only
 };

@@ -96,8 +96,9 @@ inline void put_le(std::byte* p, std::uint64_t v, std::size_t n) noexcept {
 
 }  // namespace detail
 
-/// Why `name` cannot be a directory name (empty when it can): 1 to 255 bytes of A-Z a-z 0-9 and
-/// . _ - : /. With `prefix` true the empty string is allowed (a watch on every name).
+/// Why `name` cannot be a directory name (empty when it can): a name is 1 to 255 bytes, each a
+/// letter, a digit, a dot, an underscore, a hyphen, a colon or a slash. With `prefix` true the empty
+/// string is allowed (a watch on every name).
 [[nodiscard]] inline std::string check_directory_name(std::string_view name, bool prefix = false) {
   if (name.empty() && !prefix) return "a name may not be empty";
   if (name.size() > max_directory_name_bytes) {
