@@ -13,6 +13,7 @@
 #include <ferry/directory.hpp>
 #include <ferry/directory/etcd.hpp>
 
+#include "directory/contract.hpp"
 #include "directory/etcd_server.hpp"
 #include "helpers.hpp"
 
@@ -54,7 +55,39 @@ std::error_code lookup_error(ferry::directory& d, const std::string& name) {
   }
 }
 
+// Clients of the shared etcd under a root of the world's own; killing one abandons it (its leases
+// stop being renewed, as when its process dies).
+class etcd_world final : public ferry_test::directory_contract::directory_world {
+ public:
+  std::unique_ptr<ferry::directory> make_client(ferry::progress_executor& exec,
+                                                ferry::directory_options options) override {
+    ferry::etcd_options o;
+    o.endpoints = {shared_etcd().url()};
+    o.root = root_;
+    return std::make_unique<ferry::etcd_directory>(exec, o, options);
+  }
+  void plant_raw(const std::string& name, std::vector<std::byte> bytes) override {
+    shared_etcd().put_raw(root_ + "records/" + name, bytes);
+  }
+  void kill(ferry::directory& d) override { d.abandon(); }
+  [[nodiscard]] std::string label() const override { return "etcd"; }
+
+ private:
+  std::string root_ = fresh_root();
+};
+
+// A world on the shared etcd, or none (the contract's cases then pass with a warning) where etcd is
+// not installed.
+std::unique_ptr<ferry_test::directory_contract::directory_world> make_etcd_world() {
+  std::string why;
+  if (!etcd_server::available(why)) return nullptr;
+  return std::make_unique<etcd_world>();
+}
+
 }  // namespace
+
+// The behaviours every directory has (tests/directory/contract.hpp), against a real etcd.
+FERRY_DIRECTORY_CONTRACT("etcd_directory", "[directory-etcd][concurrency]", make_etcd_world)
 
 TEST_CASE("etcd stopped and started again: a clear error meanwhile, then publications and the "
           "watch come back",

@@ -290,6 +290,11 @@ class directory {
     p->lease = options.lease;
     const auto deadline = deadline_after(options.timeout);
     post([this, p, shared, deadline] {
+      if (abandoned_) {
+        shared->fail(make_error_code(directory_errc::closed),
+                     "ferry directory: cannot publish '" + p->name + "': this client was abandoned");
+        return;
+      }
       guard(shared, deadline, "publish '" + p->name + "'");
       start_publish(p, deadline, [this, p, shared](std::error_code ec, std::string what) {
         if (ec) {
@@ -392,6 +397,22 @@ class directory {
   /// that is no name or prefix.
   watcher watch(std::string key, bool prefix = false) {
     return watcher(start_watch_state(std::move(key), prefix, {}), anchor_);
+  }
+
+  /// Stops renewing this client's leases and forgets its publications without withdrawing them, as
+  /// a process that died would: its records go one lease later, and watchers see them gone then.
+  /// Publishing afterwards fails with directory_errc::closed. For tests of peers that die.
+  void abandon() {
+    auto [t, c] = make_manual_transfer();
+    post([this, c = std::move(c)]() mutable {
+      abandoned_ = true;
+      for (auto& p : std::exchange(live_, {})) {
+        p->withdrawn = true;  // a later withdraw() or drop sends nothing
+        cancel(p->keepalive_timer);
+      }
+      c.succeed();
+    });
+    if (!exec_.on_executor_thread()) (void)t.wait();
   }
 
   /// The limits it applies.
@@ -599,7 +620,7 @@ class directory {
   }
 
   void schedule_keepalive(const std::shared_ptr<detail::publication_state>& p) {
-    if (p->withdrawn || stopping_) return;
+    if (p->withdrawn || stopping_ || abandoned_) return;
     p->keepalive_timer = at(clock::now() + p->lease / 3, [this, p] {
       if (p->withdrawn) return;
       start_keepalive(p, [this, p](std::error_code ec, std::string) {
@@ -673,6 +694,7 @@ class directory {
   clock::time_point armed_for_ = clock::time_point::max();
   // Set by stop() on the caller's thread while the executor may still poll and read it.
   std::atomic<bool> stopping_{false};
+  bool abandoned_ = false;  // executor only
   std::vector<std::shared_ptr<detail::publication_state>> live_;  // executor only
   std::vector<std::shared_ptr<detail::watch_state>> watches_;     // executor only
 };

@@ -224,31 +224,15 @@ class local_directory final : public directory {
   /// The registry it is a client of.
   [[nodiscard]] const std::shared_ptr<local_registry>& registry() const noexcept { return registry_; }
 
-  /// Stops renewing this client's leases and forgets its publications without withdrawing them,
-  /// as a process that died would: its records go one lease later. For tests of peers that die.
-  void abandon() {
-    auto [t, c] = make_manual_transfer();
-    post([this, c = std::move(c)]() mutable {
-      abandoned_ = true;
-      c.succeed();
-    });
-    if (!executor().on_executor_thread()) (void)t.wait();
-  }
-
  private:
   void start_publish(std::shared_ptr<detail::publication_state> p, clock::time_point,
                      done_fn done) override {
-    if (abandoned_) {
-      return done(make_error_code(directory_errc::closed),
-                  "ferry directory: this local_directory was abandoned");
-    }
     p->incarnation = registry_->next_incarnation(p->name);
     put_with_new_lease(*p);
     done({}, {});
   }
 
   void start_keepalive(std::shared_ptr<detail::publication_state> p, done_fn done) override {
-    if (abandoned_) return;  // as a dead process: no renewal, no further keepalive
     if (registry_->keepalive(static_cast<std::uint64_t>(p->lease_id))) return done({}, {});
     // The lease went (expired while this executor was stalled): put the record back, same
     // incarnation, and report it lost this once.
@@ -262,7 +246,7 @@ class local_directory final : public directory {
 
   void start_withdraw(std::shared_ptr<detail::publication_state> p, clock::time_point,
                       std::function<void(std::error_code)> done) override {
-    if (!abandoned_) registry_->withdraw(p->name, static_cast<std::uint64_t>(p->lease_id));
+    registry_->withdraw(p->name, static_cast<std::uint64_t>(p->lease_id));
     done({});
   }
 
@@ -305,7 +289,6 @@ class local_directory final : public directory {
   }
 
   std::shared_ptr<local_registry> registry_;
-  bool abandoned_ = false;  // executor only
 };
 
 }  // namespace ferry
