@@ -1,6 +1,6 @@
 #pragma once
-// The directory contract: what every ferry::directory implementation must do, written once against a
-// small fixture (directory_world) so that local_directory and etcd_directory pass the same tests.
+// The directory contract: what every ferry::directory implementation must do, written once against
+// a small fixture (directory_world) so that local_directory and etcd_directory pass the same tests.
 //
 // A test file gives a world and registers the contract's test cases for it:
 //
@@ -8,11 +8,11 @@
 //   FERRY_DIRECTORY_CONTRACT("local_directory", "[directory][local]", make_world)
 //
 // FERRY_DIRECTORY_CONTRACT(LABEL, TAGS, MAKE_WORLD) registers one TEST_CASE per behaviour, named
-// LABEL ": <behaviour>" and tagged TAGS plus [contract]. Each test case calls MAKE_WORLD() (anything
-// callable with no argument that returns a std::unique_ptr<directory_world>) for a world of its own;
-// a null world (the service is not there: no etcd to talk to) makes the case pass with a warning.
-// The behaviours are also plain functions in namespace ferry_test::directory_contract (each takes a
-// directory_world&), for a file that wants to run some of them its own way.
+// LABEL ": <behaviour>" and tagged TAGS plus [contract]. Each test case calls MAKE_WORLD()
+// (anything callable with no argument that returns a std::unique_ptr<directory_world>) for a world
+// of its own; a null world (the service is not there: no etcd to talk to) makes the case pass with
+// a warning. The behaviours are also plain functions in namespace ferry_test::directory_contract
+// (each takes a directory_world&), for a file that wants to run some of them its own way.
 //
 // Names. Every name a case uses is under "ferry-test/<label>/<run token>/<case>/", the token random
 // per process, so that runs against one long-lived etcd, and the cases of one run, never see each
@@ -69,8 +69,8 @@ struct directory_world {
   virtual void plant_raw(const std::string& name, std::vector<std::byte> bytes) = 0;
 
   /// Makes `client` (made by make_client) die as a crashed process would: its leases stop being
-  /// renewed and nothing is withdrawn, so its records go one lease later. The client is only
-  /// destroyed afterwards (its destructor must then withdraw nothing that is not already gone).
+  /// renewed and nothing is withdrawn, so its records go one lease later. The contract then drops
+  /// the client's publications and destroys it as usual: that must renew or put back nothing.
   virtual void kill(ferry::directory& client) = 0;
 
   /// A short name for the implementation ("local", "etcd"): in test names and in every name used.
@@ -242,8 +242,8 @@ struct fake_endpoint {
     int none = 0;
     (void)link->severed_code.compare_exchange_strong(none, code);
     link->severs.fetch_add(1);
-    if (severed_floor && (ec == ferry::directory_errc::peer_restarted ||
-                          ec == ferry::directory_errc::peer_gone)) {
+    if (severed_floor &&
+        (ec == ferry::directory_errc::peer_restarted || ec == ferry::directory_errc::peer_gone)) {
       std::uint64_t seen = severed_floor->load();
       while (seen < incarnation && !severed_floor->compare_exchange_weak(seen, incarnation)) {
       }
@@ -279,7 +279,8 @@ class fake_factory {
  private:
   mutable std::mutex mutex_;
   std::vector<fake_endpoint> made_;
-  std::shared_ptr<std::atomic<std::uint64_t>> floor_ = std::make_shared<std::atomic<std::uint64_t>>(0);
+  std::shared_ptr<std::atomic<std::uint64_t>> floor_ =
+      std::make_shared<std::atomic<std::uint64_t>>(0);
 };
 
 // ---- the behaviours
@@ -403,7 +404,8 @@ inline void many_lookups_at_once(directory_world& w) {
       ok = ok && !r.error && r.record && r.record->name == names[j] &&
            r.record->incarnation == pubs[i].incarnation() && r.record->value == value_of(i);
     } else {
-      const auto want = which[j] == -1 ? ferry::directory_errc::not_found : ferry::directory_errc::bad_name;
+      const auto want =
+          which[j] == -1 ? ferry::directory_errc::not_found : ferry::directory_errc::bad_name;
       ok = ok && !r.record && r.error == want && r.message.find(names[j]) != std::string::npos;
     }
     if (!ok && wrong++ == 0) first_wrong = names[j] + ": " + text(r.error) + " " + r.message;
@@ -414,7 +416,8 @@ inline void many_lookups_at_once(directory_world& w) {
   // 1000 single lookups in flight at once (and some missing names among them).
   std::vector<ferry::pending_result<ferry::directory_record>> singles;
   for (std::size_t i = 0; i < n; ++i) {
-    singles.push_back(b->lookup(i % 10 == 9 ? ns + "absent" + std::to_string(i) : name_of(i), hang_bound));
+    singles.push_back(
+        b->lookup(i % 10 == 9 ? ns + "absent" + std::to_string(i) : name_of(i), hang_bound));
   }
   wrong = 0;
   for (std::size_t i = 0; i < n; ++i) {
@@ -424,8 +427,10 @@ inline void many_lookups_at_once(directory_world& w) {
     } else {
       const failure f = failure_of_call([&] {
         const ferry::directory_record r = take(singles[i]);
-        if (r.name != name_of(i) || r.incarnation != pubs[i].incarnation() || r.value != value_of(i)) {
-          throw std::system_error(make_error_code(ferry::directory_errc::bad_record), "wrong record");
+        if (r.name != name_of(i) || r.incarnation != pubs[i].incarnation() ||
+            r.value != value_of(i)) {
+          throw std::system_error(make_error_code(ferry::directory_errc::bad_record),
+                                  "wrong record");
         }
         return 0;
       });
@@ -550,10 +555,12 @@ inline void watch_next_deadline(directory_world& w) {
 
   // An event buffered while nobody waited is there at once, also through try_next().
   REQUIRE(settle(p.withdraw()) == ferry::transfer_state::success);
-  REQUIRE(wait_until([&] {
-    if (auto e = watch.try_next()) return e->what == ferry::directory_event::kind::gone;
-    return false;
-  }, hang_bound));
+  REQUIRE(wait_until(
+      [&] {
+        if (auto e = watch.try_next()) return e->what == ferry::directory_event::kind::gone;
+        return false;
+      },
+      hang_bound));
 
   // The watching client goes: the watch ends with closed.
   b.reset();
@@ -567,7 +574,8 @@ inline void killed_client_goes(directory_world& w) {
   client b(w);
   auto a = std::make_unique<client>(w);
   ferry::watcher watch = b->watch(name);
-  ferry::publication pub = take((*a)->publish(name, bytes_of("alive"), with_lease(std::chrono::seconds(1))));
+  ferry::publication pub =
+      take((*a)->publish(name, bytes_of("alive"), with_lease(std::chrono::seconds(1))));
   const std::uint64_t incarnation = pub.incarnation();
   ferry::directory_event ev = take(watch.next(hang_bound));
   CHECK(ev.what == ferry::directory_event::kind::published);
@@ -595,7 +603,8 @@ inline void keepalive_keeps_record(directory_world& w) {
   const std::string name = scope(w, "keepalive") + "peer";
   client a(w), b(w);
   ferry::watcher watch = b->watch(name);
-  ferry::publication pub = take(a->publish(name, bytes_of("kept"), with_lease(std::chrono::seconds(1))));
+  ferry::publication pub =
+      take(a->publish(name, bytes_of("kept"), with_lease(std::chrono::seconds(1))));
   REQUIRE(take(watch.next(hang_bound)).what == ferry::directory_event::kind::published);
   std::this_thread::sleep_for(std::chrono::seconds(3));
   const ferry::directory_record r = take(b->lookup(name, hang_bound));
@@ -627,7 +636,8 @@ inline void garbage_is_refused(directory_world& w) {
     ferry::directory_errc want;
   };
   std::vector<planted> bad;
-  auto plant = [&](const std::string& name, std::vector<std::byte> bytes, ferry::directory_errc want) {
+  auto plant = [&](const std::string& name, std::vector<std::byte> bytes,
+                   ferry::directory_errc want) {
     w.plant_raw(ns + name, std::move(bytes));
     bad.push_back({ns + name, want});
   };
@@ -638,8 +648,8 @@ inline void garbage_is_refused(directory_world& w) {
     plant("random" + std::to_string(i), std::move(junk), ferry::directory_errc::bad_record);
   }
   const std::vector<std::byte> record = ferry::encode_record(9, pattern(8, 1));
-  for (const std::size_t cut : {std::size_t{0}, std::size_t{7}, std::size_t{23}, std::size_t{24},
-                                record.size() - 1}) {
+  for (const std::size_t cut :
+       {std::size_t{0}, std::size_t{7}, std::size_t{23}, std::size_t{24}, record.size() - 1}) {
     plant("cut" + std::to_string(cut), {record.begin(), record.begin() + static_cast<long>(cut)},
           ferry::directory_errc::bad_record);
   }
@@ -708,14 +718,16 @@ inline void garbage_is_refused(directory_world& w) {
 inline void bad_names_are_refused(directory_world& w) {
   const std::string ns = scope(w, "names");
   client a(w);
-  const std::vector<std::string> bad{"", std::string(256, 'a'), ns + "a space", ns + std::string("nul\0byte", 8),
-                                     ns + "tab\t", ns + "\xc3\xa9", ns + "star*"};
+  const std::vector<std::string> bad{
+      "",           std::string(256, 'a'), ns + "a space", ns + std::string("nul\0byte", 8),
+      ns + "tab\t", ns + "\xc3\xa9",       ns + "star*"};
   for (const std::string& name : bad) {
     INFO("name '" << name << "' (" << name.size() << " bytes)");
     const failure pub = failure_of(a->publish(name, bytes_of("x")));
     CHECK(text(pub.code) == text(ferry::directory_errc::bad_name));
     CHECK_THAT(pub.what, Catch::Contains(name.substr(0, name.find('\0'))));  // what() ends at a NUL
-    CHECK(text(failure_of(a->lookup(name, hang_bound)).code) == text(ferry::directory_errc::bad_name));
+    CHECK(text(failure_of(a->lookup(name, hang_bound)).code) ==
+          text(ferry::directory_errc::bad_name));
     const auto batch = take(a->lookup(std::vector<std::string>{ns + "fine", name}, hang_bound));
     REQUIRE(batch.size() == 2u);
     CHECK(text(batch[0].error) == text(ferry::directory_errc::not_found));
@@ -766,7 +778,8 @@ inline void withdraw_takes_name_down(directory_world& w) {
   ferry::publication p = take((*a)->publish(ns + "w", bytes_of("w")));
   REQUIRE(take(b->lookup(ns + "w", hang_bound)).incarnation == p.incarnation());
   REQUIRE(settle(p.withdraw()) == ferry::transfer_state::success);
-  CHECK(text(failure_of(b->lookup(ns + "w", hang_bound)).code) == text(ferry::directory_errc::not_found));
+  CHECK(text(failure_of(b->lookup(ns + "w", hang_bound)).code) ==
+        text(ferry::directory_errc::not_found));
   CHECK(settle(p.withdraw()) == ferry::transfer_state::success);  // again: nothing to do
 
   {
@@ -799,7 +812,8 @@ inline void named_peer_fencing(directory_world& w) {
   const std::string name = scope(w, "fencing") + "peer";
   client consumer(w);
   auto first = std::make_unique<client>(w);
-  ferry::publication p1 = take((*first)->publish(name, bytes_of("gen-1"), with_lease(std::chrono::seconds(1))));
+  ferry::publication p1 =
+      take((*first)->publish(name, bytes_of("gen-1"), with_lease(std::chrono::seconds(1))));
 
   fake_factory factory;
   ferry::named_peer<fake_endpoint> peer(*consumer, name, factory.connect());
@@ -819,7 +833,8 @@ inline void named_peer_fencing(directory_world& w) {
 
   // A restart: a second process publishes while the first one's lease is live.
   auto second = std::make_unique<client>(w);
-  ferry::publication p2 = take((*second)->publish(name, bytes_of("gen-2"), with_lease(std::chrono::seconds(1))));
+  ferry::publication p2 =
+      take((*second)->publish(name, bytes_of("gen-2"), with_lease(std::chrono::seconds(1))));
   REQUIRE(p2.incarnation() > p1.incarnation());
   REQUIRE(wait_until([&] { return e1.severed() != 0; }, hang_bound));
   CHECK(e1.severed() == static_cast<int>(ferry::directory_errc::peer_restarted));
@@ -847,7 +862,8 @@ inline void named_peer_fencing(directory_world& w) {
   CHECK(text(peer.fenced()) == text(ferry::directory_errc::peer_gone));
   CHECK(peer.incarnation() == 0u);
   const failure after = failure_of_call([&] { return peer.get(hang_bound); });
-  CHECK((after.code == ferry::directory_errc::not_found || after.code == ferry::directory_errc::peer_gone));
+  CHECK((after.code == ferry::directory_errc::not_found ||
+         after.code == ferry::directory_errc::peer_gone));
   CHECK(e1.link->severs.load() == 1);
   CHECK(e2.link->severs.load() == 1);
   p2 = ferry::publication{};
@@ -947,7 +963,8 @@ inline void named_peer_storm(directory_world& w) {
     // Let the getters reach the current incarnation first, so that each restart fences something.
     (void)wait_until([&] { return newest_got.load() >= last; }, std::chrono::seconds(2));
     auto next = std::make_unique<client>(w);
-    ferry::publication pub = take((*next)->publish(name, bytes_of("gen-" + std::to_string(k)), opts));
+    ferry::publication pub =
+        take((*next)->publish(name, bytes_of("gen-" + std::to_string(k)), opts));
     REQUIRE(pub.incarnation() > last);
     last = pub.incarnation();
     live_pub = std::move(pub);  // the old process withdraws its superseded record
@@ -971,9 +988,9 @@ inline void named_peer_storm(directory_world& w) {
   CHECK(peer.incarnation() == last);
   CHECK(final_endpoint.severed() == 0);
 
-  INFO("gets: " << got.load() << ", refused: " << refused.load() << ", connects: " << peer.connects()
-                << ", endpoints made: " << factory.made().size() << ", storm took " << ms_since(start)
-                << " ms");
+  INFO("gets: " << got.load() << ", refused: " << refused.load() << ", connects: "
+                << peer.connects() << ", endpoints made: " << factory.made().size()
+                << ", storm took " << ms_since(start) << " ms");
   {
     std::lock_guard lock(unexpected_mutex);
     INFO("first unexpected failure: " << first_unexpected);
@@ -1030,38 +1047,38 @@ void run_case(Make&& make, void (*behaviour)(directory_world&)) {
 }  // namespace ferry_test::directory_contract
 
 /// Registers one contract behaviour as a TEST_CASE (see FERRY_DIRECTORY_CONTRACT).
-#define FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, BEHAVIOUR, WHAT)                \
-  TEST_CASE(LABEL ": " WHAT, TAGS "[contract]") {                                              \
-    ::ferry_test::directory_contract::run_case(MAKE_WORLD,                                     \
+#define FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, BEHAVIOUR, WHAT)               \
+  TEST_CASE(LABEL ": " WHAT, TAGS "[contract]") {                                             \
+    ::ferry_test::directory_contract::run_case(MAKE_WORLD,                                    \
                                                &::ferry_test::directory_contract::BEHAVIOUR); \
   }
 
 /// Registers the whole directory contract for the worlds MAKE_WORLD() makes: one TEST_CASE per
 /// behaviour, named LABEL ": <behaviour>" (LABEL and TAGS are string literals).
-#define FERRY_DIRECTORY_CONTRACT(LABEL, TAGS, MAKE_WORLD)                                          \
-  FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, publish_then_lookup,                      \
-                                "a publication is found by another client")                        \
-  FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, incarnations_grow,                        \
-                                "incarnations grow across withdraws and restarts")                 \
-  FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, many_lookups_at_once,                     \
-                                "1000 names looked up at once, in a batch and singly")             \
-  FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, watch_prefix,                             \
-                                "a prefix watch reports publications and gone names in order")     \
-  FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, watch_exact,                              \
-                                "an exact watch ignores other names")                              \
-  FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, watch_next_deadline,                      \
-                                "watcher::next times out, and the watch goes on")                  \
-  FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, killed_client_goes,                       \
-                                "a killed client's record goes one lease later")                   \
-  FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, keepalive_keeps_record,                   \
-                                "a live client's record outlives its lease")                       \
-  FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, garbage_is_refused,                       \
-                                "garbage under a name is refused, naming the name")                \
-  FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, bad_names_are_refused,                    \
-                                "bad names are refused by publish, lookup and watch")              \
-  FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, withdraw_takes_name_down,                 \
-                                "withdrawing, or dropping the handle, takes the name down")        \
-  FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, named_peer_fencing,                       \
-                                "named_peer fences a restarted or dead peer")                      \
-  FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, named_peer_storm,                         \
+#define FERRY_DIRECTORY_CONTRACT(LABEL, TAGS, MAKE_WORLD)                                      \
+  FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, publish_then_lookup,                  \
+                                "a publication is found by another client")                    \
+  FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, incarnations_grow,                    \
+                                "incarnations grow across withdraws and restarts")             \
+  FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, many_lookups_at_once,                 \
+                                "1000 names looked up at once, in a batch and singly")         \
+  FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, watch_prefix,                         \
+                                "a prefix watch reports publications and gone names in order") \
+  FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, watch_exact,                          \
+                                "an exact watch ignores other names")                          \
+  FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, watch_next_deadline,                  \
+                                "watcher::next times out, and the watch goes on")              \
+  FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, killed_client_goes,                   \
+                                "a killed client's record goes one lease later")               \
+  FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, keepalive_keeps_record,               \
+                                "a live client's record outlives its lease")                   \
+  FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, garbage_is_refused,                   \
+                                "garbage under a name is refused, naming the name")            \
+  FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, bad_names_are_refused,                \
+                                "bad names are refused by publish, lookup and watch")          \
+  FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, withdraw_takes_name_down,             \
+                                "withdrawing, or dropping the handle, takes the name down")    \
+  FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, named_peer_fencing,                   \
+                                "named_peer fences a restarted or dead peer")                  \
+  FERRY_DIRECTORY_CONTRACT_CASE(LABEL, TAGS, MAKE_WORLD, named_peer_storm,                     \
                                 "named_peer under concurrent gets and 20 restarts")

@@ -55,7 +55,9 @@ class local_world final : public contract::directory_world {
   std::shared_ptr<ferry::local_registry> registry_ = std::make_shared<ferry::local_registry>();
 };
 
-std::unique_ptr<contract::directory_world> make_local_world() { return std::make_unique<local_world>(); }
+std::unique_ptr<contract::directory_world> make_local_world() {
+  return std::make_unique<local_world>();
+}
 
 // A completion source that, when asked, holds its executor's thread for a while: an engine process
 // that hangs (its keepalives stop) and then comes back.
@@ -124,7 +126,8 @@ TEST_CASE("local_directory: gone events carry the incarnation that went", "[dire
   auto a = std::make_unique<client>(w);
   ferry::watcher watch = b->watch("svc/", true);
   ferry::publication p = take((*a)->publish("svc/w", bytes_of("w")));
-  ferry::publication q = take((*a)->publish("svc/k", bytes_of("k"), with_lease(std::chrono::milliseconds(200))));
+  ferry::publication q =
+      take((*a)->publish("svc/k", bytes_of("k"), with_lease(std::chrono::milliseconds(200))));
   CHECK(take(watch.next(hang_bound)).record.incarnation == p.incarnation());
   CHECK(take(watch.next(hang_bound)).record.incarnation == q.incarnation());
   REQUIRE(settle(p.withdraw()) == ferry::transfer_state::success);
@@ -138,7 +141,8 @@ TEST_CASE("local_directory: gone events carry the incarnation that went", "[dire
   CHECK(ev.record.incarnation == q.incarnation());
 }
 
-TEST_CASE("local_directory: the registry's leases end with their publications", "[directory][local]") {
+TEST_CASE("local_directory: the registry's leases end with their publications",
+          "[directory][local]") {
   local_world w;
   ferry::local_registry& registry = w.registry();
   client b(w);
@@ -172,11 +176,13 @@ TEST_CASE("local_directory: the registry's leases end with their publications", 
   a.reset();
   CHECK(registry.leases() == 0u);
   auto c = std::make_unique<client>(w);
-  ferry::publication dead = take((*c)->publish("svc/k", bytes_of("k"), with_lease(std::chrono::milliseconds(200))));
+  ferry::publication dead =
+      take((*c)->publish("svc/k", bytes_of("k"), with_lease(std::chrono::milliseconds(200))));
   CHECK(registry.leases() == 1u);
   w.kill(**c);
   CHECK(eventually([&] { return registry.leases() == 0u; }));
-  CHECK(text(failure_of(b->lookup("svc/k", hang_bound)).code) == text(ferry::directory_errc::not_found));
+  CHECK(text(failure_of(b->lookup("svc/k", hang_bound)).code) ==
+        text(ferry::directory_errc::not_found));
   // A killed client publishes nothing more.
   CHECK(text(failure_of((*c)->publish("svc/k2", bytes_of("k2"))).code) ==
         text(ferry::directory_errc::closed));
@@ -189,7 +195,8 @@ TEST_CASE("local_directory: a lease lost while the executor stalled is put back,
   client a(w), b(w);
   executor_stall stall(*a.exec);
   ferry::watcher watch = b->watch("svc/s");
-  ferry::publication p = take(a->publish("svc/s", bytes_of("s"), with_lease(std::chrono::milliseconds(300))));
+  ferry::publication p =
+      take(a->publish("svc/s", bytes_of("s"), with_lease(std::chrono::milliseconds(300))));
   REQUIRE(take(watch.next(hang_bound)).what == ferry::directory_event::kind::published);
   contract::fake_factory factory;
   ferry::named_peer<contract::fake_endpoint> peer(*b, "svc/s", factory.connect());
@@ -254,8 +261,8 @@ TEST_CASE("local_directory: constructors refuse what cannot work", "[directory][
   // A lease of zero is refused by publish.
   local_world w;
   client a(w);
-  CHECK(failure_of(a->publish("svc/z", bytes_of("z"), with_lease(std::chrono::milliseconds(0)))).code ==
-        ferry::directory_errc::bad_name);
+  CHECK(failure_of(a->publish("svc/z", bytes_of("z"), with_lease(std::chrono::milliseconds(0))))
+            .code == ferry::directory_errc::bad_name);
 }
 
 TEST_CASE("local_directory: a watcher that falls behind fails with watch_overflowed",
@@ -266,8 +273,10 @@ TEST_CASE("local_directory: a watcher that falls behind fails with watch_overflo
   client a(w), b(w, few);
   ferry::watcher watch = b->watch("svc/", true);
   std::vector<ferry::publication> pubs;
-  for (int i = 0; i < 5; ++i) pubs.push_back(take(a->publish("svc/" + std::to_string(i), bytes_of("v"))));
-  CHECK(text(failure_of(watch.next(hang_bound)).code) == text(ferry::directory_errc::watch_overflowed));
+  for (int i = 0; i < 5; ++i)
+    pubs.push_back(take(a->publish("svc/" + std::to_string(i), bytes_of("v"))));
+  CHECK(text(failure_of(watch.next(hang_bound)).code) ==
+        text(ferry::directory_errc::watch_overflowed));
   // A new watch works.
   watch = b->watch("svc/", true);
   pubs.clear();

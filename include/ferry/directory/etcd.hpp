@@ -240,6 +240,7 @@ class etcd_directory final : public directory {
   // One HTTP request to etcd.
   struct call {
     etcd_directory* owner = nullptr;
+    std::string url;  // the endpoint it went to, and the path
     std::string path;  // "/v3/kv/put"
     std::string body;
     std::string response;
@@ -267,7 +268,8 @@ class etcd_directory final : public directory {
       c->done("curl_easy_init failed", 0, json());
       return;
     }
-    const std::string url = options_.endpoints[endpoint_index_ % options_.endpoints.size()] + c->path;
+    c->url = options_.endpoints[endpoint_index_ % options_.endpoints.size()] + c->path;
+    const std::string& url = c->url;
     c->headers = ::curl_slist_append(nullptr, "Content-Type: application/json");
     ::curl_easy_setopt(easy, CURLOPT_URL, url.c_str());
     ::curl_easy_setopt(easy, CURLOPT_HTTPHEADER, c->headers);
@@ -315,10 +317,7 @@ class etcd_directory final : public directory {
       ++endpoint_index_;  // try the next endpoint next time
     }
     std::string failure;
-    if (result != CURLE_OK) {
-      failure = options_.endpoints[(endpoint_index_ - 1) % options_.endpoints.size()] + c->path +
-                ": " + ::curl_easy_strerror(result);
-    }
+    if (result != CURLE_OK) failure = c->url + ": " + ::curl_easy_strerror(result);
     json body = c->stream ? json() : json::parse(c->response, nullptr, false);
     c->done(failure, status, body);
   }
