@@ -91,7 +91,7 @@ class executor_stall {
 
 }  // namespace
 
-FERRY_DIRECTORY_CONTRACT("local_directory", "[directory][local]", make_local_world)
+FERRY_DIRECTORY_CONTRACT("local_directory", "[directory][local][concurrency]", make_local_world)
 
 TEST_CASE("local_directory: a fresh registry counts incarnations from 1, per name",
           "[directory][local]") {
@@ -190,7 +190,7 @@ TEST_CASE("local_directory: the registry's leases end with their publications",
 }
 
 TEST_CASE("local_directory: a lease lost while the executor stalled is put back, same incarnation",
-          "[directory][local]") {
+          "[directory][local][concurrency]") {
   local_world w;
   client a(w), b(w);
   executor_stall stall(*a.exec);
