@@ -55,6 +55,18 @@ plan = ferry.kv.TransferPlanner(layout, (0, 1), layout, (0, 1)).plan([([0], [1])
 link = ferry.kv.UcxLink.from_peer_regions(ep, [region])
 pushed = ferry.kv.PushedRequest(link, 1, plan, 5)
 receiver = ferry.kv.PushReceiver()
+import ferry.directory
+named_dir = ferry.directory.LocalDirectory(ex, registry=ferry.directory.LocalRegistry())
+named_pub = named_dir.publish("x", b"v").get(5)
+named = ferry.ucx.NamedPeer(named_dir, "x", lambda record: ep)
+""",
+    # A watch with an event waiting, so that its next() ends at once.
+    "directory": CORE + """\
+import ferry.directory as fd
+reg = fd.LocalRegistry()
+d = fd.LocalDirectory(ex, registry=reg)
+w = d.watch("x")
+pub = d.publish("x", b"v").get(5)
 """,
 }
 
@@ -323,6 +335,16 @@ INSTANCES = {
     "UcxLink": ("ucx", "link"),
     "PushedRequest": ("ucx", "pushed"),
     "PushReceiver": ("ucx", "receiver"),
+    "NamedPeer": ("ucx", "named"),
+    "LocalRegistry": ("directory", "reg"),
+    "Directory": ("directory", "d"),
+    "LocalDirectory": ("directory", "d"),
+    "Publication": ("directory", "pub"),
+    "Watcher": ("directory", "w"),
+    "PendingPublication": ("directory", "d.publish('y', b'v')"),
+    "PendingRecord": ("directory", "d.lookup('x')"),
+    "PendingLookups": ("directory", "d.lookup_many(['x'])"),
+    "PendingEvent": ("directory", "w.next(None)"),
 }
 # Calls that take None for every argument and then wait: Listener.accept's default timeout is 10 s.
 SWEEP_SKIPS = {"Listener.accept"}
@@ -362,7 +384,8 @@ def parameters_of(function, name):
 
 def sweep_cases():
     modules = [("core", "ferry", ferry._ferry), ("kv", "ferry.kv", ferry.kv),
-               ("core", "ferry.testing", ferry.testing)]
+               ("core", "ferry.testing", ferry.testing),
+               ("directory", "ferry.directory", ferry.directory)]
     modules += [("uring", "ferry.uring", ferry.uring)] if ferry.HAS_URING else []
     modules += [("ucx", "ferry.ucx", ferry.ucx)] if ferry.HAS_UCX else []
     cases = []
@@ -442,8 +465,11 @@ def test_the_sweep_covers_every_part():
             "FaultInjector.wrap", "when_all"} <= whos, sorted(whos)
     if ferry.HAS_URING:
         assert {"Ring", "Ring.read_batch", "TcpConnection.connect", "TcpListener.accept"} <= whos
+    assert {"Directory.publish", "Directory.lookup_many", "LocalDirectory", "Watcher.next",
+            "PendingRecord.get"} <= whos
     if ferry.HAS_UCX:
-        assert {"Worker", "Worker.connect_to", "Endpoint.put_batch", "RemoteMemory.slice"} <= whos
+        assert {"Worker", "Worker.connect_to", "Endpoint.put_batch", "RemoteMemory.slice",
+                "NamedPeer", "NamedPeer.get", "Endpoint.sever"} <= whos
 
 
 def test_a_transfer_compares_unequal_to_anything_else_instead_of_raising():

@@ -145,7 +145,7 @@ def test_garbage_under_a_name_is_refused_with_a_message():
         a.lookup("junk", HANG).get(HANG)
     assert info.value.error == Errc.bad_record and "junk" in str(info.value)
     small = make("local", None, reg, max_record_bytes=8)
-    a.publish("big", b"y" * 100).get(HANG)
+    big = a.publish("big", b"y" * 100).get(HANG)  # held: a dropped publication withdraws
     [r] = small.lookup_many(["big"], HANG).get(HANG)
     assert r.error == Errc.record_too_large and "big" in r.message
 

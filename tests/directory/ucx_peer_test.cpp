@@ -225,8 +225,10 @@ TEST_CASE("a peer restarted under its name mid-batch: the old incarnation's tran
       bound_target second = target.get(std::chrono::seconds(10));
       CHECK(target.incarnation() == b.incarnation);
       CHECK(target.connects() == 2);
-      REQUIRE(second.ep.put(src.slice(block, block), second.mem.slice(0, block), hang_bound)
-                  .wait() == transfer_state::success);
+      ferry::transfer reached = second.ep.put(src.slice(block, block), second.mem.slice(0, block),
+                                              hang_bound);
+      INFO("the put to the new incarnation: " << reached.error().message());
+      REQUIRE(reached.wait() == transfer_state::success);
       CHECK(std::memcmp(mem_b.bytes().data(), src_bytes.data() + block, block) == 0);
       CHECK(all_zero(mem_b.bytes().subspan(block)));
 
