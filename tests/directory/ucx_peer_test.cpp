@@ -216,19 +216,27 @@ TEST_CASE("a peer restarted under its name mid-batch: the old incarnation's tran
         }
       }
       CHECK(ms_since(restarted_at) < 20000);  // not at the batch's 60 s deadline
-      CHECK(target.fenced() == directory_errc::peer_restarted);
+      // Over shared memory the batch may all have landed before the watch told of the restart.
+      CHECK(wait_until([&] { return target.fenced() == directory_errc::peer_restarted; }));
       // What went to the old endpoint after the fence fails too, with the same reason.
       CHECK(first.ep.put(src.slice(0, block), first.mem.slice(0, block), hang_bound).wait() ==
             transfer_state::failed);
       CHECK(all_zero(mem_b.bytes()));  // no old request touched the new incarnation
+      // Over shared memory, while UCX still holds emulated puts to the stopped old peer, a put to
+      // the new one on the same worker stalled past its deadline in 2 of 55 runs under load (UCX
+      // 1.13; 0 of 30 with the old peer resumed first): see docs/ucx.md. The old peer goes on here,
+      // its endpoint already severed, before the new one is used.
+      if (std::string(transports) == "shm") a.proc->kill(SIGCONT);
 
       bound_target second = target.get(std::chrono::seconds(10));
       CHECK(target.incarnation() == b.incarnation);
       CHECK(target.connects() == 2);
       ferry::transfer reached = second.ep.put(src.slice(block, block), second.mem.slice(0, block),
                                               hang_bound);
-      INFO("the put to the new incarnation: " << reached.error().message());
-      REQUIRE(reached.wait() == transfer_state::success);
+      (void)reached.wait();
+      INFO("the put to the new incarnation: " << reached.error().category().name() << ": "
+                                               << reached.error().message());
+      REQUIRE(reached.state() == transfer_state::success);
       CHECK(std::memcmp(mem_b.bytes().data(), src_bytes.data() + block, block) == 0);
       CHECK(all_zero(mem_b.bytes().subspan(block)));
 
