@@ -4,6 +4,7 @@
 // stop() ends it (SIGTERM, or SIGKILL), start() brings it back on the same ports and data, so that
 // tests see etcd go away and return. Tests skip, saying why, where etcd is not installed.
 
+#include <catch2/catch.hpp>
 #include <curl/curl.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -187,6 +188,14 @@ class etcd_server {
   std::uint16_t peer_port_ = 0;
   pid_t pid_ = -1;
 };
+
+// True where etcd is installed; otherwise says why with a warning (the test then passes, skipped).
+inline bool etcd_or_skip() {
+  std::string why;
+  if (etcd_server::available(why)) return true;
+  WARN(why);
+  return false;
+}
 
 // One etcd for a whole test binary run, started at first use (each test under a root of its own).
 inline etcd_server& shared_etcd() {

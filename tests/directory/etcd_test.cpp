@@ -23,15 +23,6 @@ using ferry::transfer_state;
 
 namespace {
 
-bool have_etcd() {
-  std::string why;
-  if (!etcd_server::available(why)) {
-    WARN(why);
-    return false;
-  }
-  return true;
-}
-
 ferry::etcd_options at(const etcd_server& s, const std::string& root) {
   ferry::etcd_options o;
   o.endpoints = {s.url()};
@@ -92,7 +83,7 @@ FERRY_DIRECTORY_CONTRACT("etcd_directory", "[directory-etcd][concurrency]", make
 TEST_CASE("etcd stopped and started again: a clear error meanwhile, then publications and the "
           "watch come back",
           "[directory-etcd][concurrency]") {
-  if (!have_etcd()) return;
+  if (!etcd_or_skip()) return;
   etcd_server etcd;
   const bool wipe = GENERATE(false, true);
   INFO((wipe ? "etcd restarted without its data" : "etcd restarted with its data"));

@@ -66,22 +66,11 @@ std::pair<std::vector<std::byte>, std::vector<std::byte>> open_target_record(
   return {parts[0], parts[1]};
 }
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::size_t at = 0;
-  for (;;) {
-    const std::size_t bar = s.find('|', at);
-    out.push_back(s.substr(at, bar - at));
-    if (bar == std::string::npos) return out;
-    at = bar + 1;
-  }
-}
-
 // A target process: "TRANSPORTS|ETCD_URL|ROOT|NAME|LEASE_MS". Registers the shared memfd, publishes
 // its address and region under NAME, says "ready INCARNATION", then waits for "exit" (or for its
 // pipe to close).
 int run_directory_target(int in, int out, const std::string& arg) {
-  const auto a = split(arg);
+  const auto a = peer::split_fields(arg);
   ucx::worker_options o;
   o.transports = a.at(0);
   o.close_timeout = std::chrono::milliseconds(300);
@@ -158,21 +147,49 @@ std::vector<ferry::transfer> put_all(bound_target& t, const ucx::memory_region& 
   return out;
 }
 
-bool have_etcd() {
-  std::string why;
-  if (!etcd_server::available(why)) {
-    WARN(why);
-    return false;
+// One target over tcp with a 1 s lease, published as `name`, and this side bound to it: the setup
+// of the tests of a peer that hangs or dies.
+struct one_target {
+  explicit one_target(const std::string& name)
+      : a(start_target("tcp", shared_etcd(), root, name, 1000, mem_a)),
+        w(exec, worker_over("tcp")),
+        src_bytes(pattern(region_bytes, 3)),
+        src(w.register_memory(src_bytes)),
+        dir(exec, directory_at(root)),
+        target(dir, name, connect_with(w)),
+        t(target.get(std::chrono::seconds(10))) {}
+
+  static ucx::worker_options worker_over(const std::string& transports) {
+    ucx::worker_options o;
+    o.transports = transports;
+    o.close_timeout = std::chrono::milliseconds(300);
+    return o;
   }
-  return true;
-}
+  static ferry::etcd_options directory_at(const std::string& root) {
+    ferry::etcd_options o;
+    o.endpoints = {shared_etcd().url()};
+    o.root = root;
+    return o;
+  }
+
+  std::string root = fresh_root();
+  peer::shared_memory mem_a{region_bytes};
+  started_target a;
+  ferry::progress_executor exec;
+  ucx::worker w;
+  std::vector<std::byte> src_bytes;
+  ucx::memory_region src;
+  ferry::etcd_directory dir;
+  ferry::named_peer<bound_target> target;
+  bound_target t;
+};
 
 }  // namespace
 
 TEST_CASE("a peer restarted under its name mid-batch: the old incarnation's transfers fail with "
           "peer_restarted, the new one's memory is untouched, the next use reaches it",
           "[directory-ucx][concurrency]") {
-  if (!have_etcd()) return;
+  if (!etcd_or_skip()) return;
   for (const char* transports : {"tcp", "shm"}) {
     SECTION(transports) {
       etcd_server& etcd = shared_etcd();
@@ -181,16 +198,10 @@ TEST_CASE("a peer restarted under its name mid-batch: the old incarnation's tran
       started_target a = start_target(transports, etcd, root, "decode-0", 2000, mem_a);
 
       ferry::progress_executor exec;
-      ucx::worker_options o;
-      o.transports = transports;
-      o.close_timeout = std::chrono::milliseconds(300);
-      ucx::worker w(exec, o);
+      ucx::worker w(exec, one_target::worker_over(transports));
       std::vector<std::byte> src_bytes = pattern(region_bytes, 7);
       ucx::memory_region src = w.register_memory(src_bytes);
-      ferry::etcd_options eo;
-      eo.endpoints = {etcd.url()};
-      eo.root = root;
-      ferry::etcd_directory dir(exec, eo);
+      ferry::etcd_directory dir(exec, one_target::directory_at(root));
       ferry::named_peer<bound_target> target(dir, "decode-0", connect_with(w));
 
       bound_target first = target.get(std::chrono::seconds(10));
@@ -251,72 +262,36 @@ TEST_CASE("a peer restarted under its name mid-batch: the old incarnation's tran
 TEST_CASE("a peer that hangs loses its lease: its transfers fail with peer_gone within the lease, "
           "not at their deadline",
           "[directory-ucx][concurrency]") {
-  if (!have_etcd()) return;
-  etcd_server& etcd = shared_etcd();
-  const std::string root = fresh_root();
-  peer::shared_memory mem_a(region_bytes);
-  started_target a = start_target("tcp", etcd, root, "prefill-3", 1000, mem_a);
-
-  ferry::progress_executor exec;
-  ucx::worker_options o;
-  o.transports = "tcp";
-  o.close_timeout = std::chrono::milliseconds(300);
-  ucx::worker w(exec, o);
-  std::vector<std::byte> src_bytes = pattern(region_bytes, 3);
-  ucx::memory_region src = w.register_memory(src_bytes);
-  ferry::etcd_options eo;
-  eo.endpoints = {etcd.url()};
-  eo.root = root;
-  ferry::etcd_directory dir(exec, eo);
-  ferry::named_peer<bound_target> target(dir, "prefill-3", connect_with(w));
-  bound_target t = target.get(std::chrono::seconds(10));
-
-  a.proc->kill(SIGSTOP);  // its executor, and so its keepalives, stop with it
+  if (!etcd_or_skip()) return;
+  one_target rig("prefill-3");
+  rig.a.proc->kill(SIGSTOP);  // its executor, and so its keepalives, stop with it
   const auto stopped_at = clock_type::now();
-  std::vector<ferry::transfer> batch = put_all(t, src, std::chrono::seconds(60));
+  std::vector<ferry::transfer> batch = put_all(rig.t, rig.src, std::chrono::seconds(60));
   for (ferry::transfer& x : batch) {
     REQUIRE(x.wait_for(std::chrono::seconds(30)) == transfer_state::failed);
     CHECK(x.error() == directory_errc::peer_gone);
   }
   // etcd grants at least 2 s for a 1 s lease and expires leases every 500 ms: well under 10 s.
   CHECK(ms_since(stopped_at) < 10000);
-  CHECK(target.fenced() == directory_errc::peer_gone);
+  CHECK(rig.target.fenced() == directory_errc::peer_gone);
   try {
-    (void)target.get(std::chrono::seconds(5));
+    (void)rig.target.get(std::chrono::seconds(5));
     FAIL("a peer whose lease expired was found");
   } catch (const std::system_error& e) {
     CHECK((e.code() == directory_errc::peer_gone || e.code() == directory_errc::not_found));
   }
-  a.proc->kill(SIGCONT);
-  a.proc->kill(SIGKILL);
+  rig.a.proc->kill(SIGCONT);
+  rig.a.proc->kill(SIGKILL);
 }
 
 TEST_CASE("a peer killed outright: its transfers fail at once, its name goes with its lease",
           "[directory-ucx][concurrency]") {
-  if (!have_etcd()) return;
-  etcd_server& etcd = shared_etcd();
-  const std::string root = fresh_root();
-  peer::shared_memory mem_a(region_bytes);
-  started_target a = start_target("tcp", etcd, root, "prefill-4", 1000, mem_a);
-
-  ferry::progress_executor exec;
-  ucx::worker_options o;
-  o.transports = "tcp";
-  o.close_timeout = std::chrono::milliseconds(300);
-  ucx::worker w(exec, o);
-  std::vector<std::byte> src_bytes = pattern(region_bytes, 5);
-  ucx::memory_region src = w.register_memory(src_bytes);
-  ferry::etcd_options eo;
-  eo.endpoints = {etcd.url()};
-  eo.root = root;
-  ferry::etcd_directory dir(exec, eo);
-  ferry::watcher gone = dir.watch("prefill-4");
-  ferry::named_peer<bound_target> target(dir, "prefill-4", connect_with(w));
-  bound_target t = target.get(std::chrono::seconds(10));
-
-  a.proc->kill(SIGKILL);
+  if (!etcd_or_skip()) return;
+  one_target rig("prefill-4");
+  ferry::watcher gone = rig.dir.watch("prefill-4");
+  rig.a.proc->kill(SIGKILL);
   const auto killed_at = clock_type::now();
-  std::vector<ferry::transfer> batch = put_all(t, src, std::chrono::seconds(60));
+  std::vector<ferry::transfer> batch = put_all(rig.t, rig.src, std::chrono::seconds(60));
   for (ferry::transfer& x : batch) {
     // UCX sees a peer on this host exit (its pidfd) before the lease goes; elsewhere the lease
     // would end it: either way a peer-gone failure, long before the deadline.
@@ -327,9 +302,9 @@ TEST_CASE("a peer killed outright: its transfers fail at once, its name goes wit
   }
   const ferry::directory_event ev = gone.next(std::chrono::seconds(15)).get();
   CHECK(ev.what == ferry::directory_event::kind::gone);
-  CHECK(ev.record.incarnation == a.incarnation);
+  CHECK(ev.record.incarnation == rig.a.incarnation);
   CHECK(ms_since(killed_at) < 15000);
-  CHECK(wait_until([&] { return target.fenced() == directory_errc::peer_gone; }));
+  CHECK(wait_until([&] { return rig.target.fenced() == directory_errc::peer_gone; }));
 }
 
 TEST_CASE("in-process directory: a UCX endpoint bound by name is fenced when a new incarnation is "

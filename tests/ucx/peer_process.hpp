@@ -82,6 +82,18 @@ inline std::string text(const std::optional<std::vector<std::byte>>& m) {
   return m ? std::string(reinterpret_cast<const char*>(m->data()), m->size()) : std::string();
 }
 
+// A role's argument: fields separated by '|' (transports themselves hold commas: "tcp,shm").
+inline std::vector<std::string> split_fields(const std::string& s) {
+  std::vector<std::string> out;
+  std::size_t at = 0;
+  for (;;) {
+    const std::size_t bar = s.find('|', at);
+    out.push_back(s.substr(at, bar - at));
+    if (bar == std::string::npos) return out;
+    at = bar + 1;
+  }
+}
+
 // ---- the child's side: roles by name, run before main
 using role_fn = int (*)(int in, int out, const std::string& arg);
 

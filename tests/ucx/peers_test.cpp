@@ -53,25 +53,13 @@ ucx::worker_options over(const std::string& transports) {
   return o;
 }
 
-// A role's argument: fields separated by '|' (transports themselves hold commas: "tcp,shm").
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::size_t at = 0;
-  for (;;) {
-    const std::size_t bar = s.find('|', at);
-    out.push_back(s.substr(at, bar - at));
-    if (bar == std::string::npos) return out;
-    at = bar + 1;
-  }
-}
-
 // ---- roles of the peer processes
 
 // A target: "TRANSPORTS|register or allocate[|no-peer-errors]". Reads the parent's address, exposes a region (the
 // shared memfd, registered; or memory UCX allocates), connects back, tells its address and region,
 // then obeys: "exit" (_exit at once), "drop-worker" (its endpoint and worker go; it stays).
 int run_target(int in, int out, const std::string& arg) {
-  const auto a = split(arg);
+  const auto a = peer::split_fields(arg);
   const std::string transports = a.at(0);
   const bool allocate = a.at(1) == "allocate";
   ucx::worker_options options = over(transports);
@@ -138,7 +126,7 @@ int run_target_in_pid_namespace(int in, int out, const std::string& arg) {
 // by then), connects back, sends VALUE, and exits the moment its transfer succeeds, without closing
 // anything.
 int run_notifier(int in, int out, const std::string& arg) {
-  const auto a = split(arg);
+  const auto a = peer::split_fields(arg);
   ferry::progress_executor exec;
   ucx::worker w(exec, over(a.at(0)));
   peer::send(out, w.address());

@@ -158,13 +158,16 @@ struct completion {
 
   // What a request ended by UCX with `st` failed of: its own deadline, its endpoint's failure
   // (a close, a peer that went), or UCX's status.
-  std::error_code failure_for(const request& r, ucs_status_t st) const {
+  std::error_code failure_for(request& r, ucs_status_t st) const {
     if (r.deadline_passed) return make_error_code(errc::deadline_exceeded);
     if (r.endpoint) {
       if (const std::error_code f = r.endpoint->failure()) {
         if (st == UCS_ERR_CANCELED || r.endpoint->phase() == endpoint_phase::broken) return f;
       }
       if (st == UCS_ERR_CANCELED) return make_error_code(errc::endpoint_closed);
+      // A watched peer that has exited: UCX may fail its requests ("Endpoint timeout",
+      // "Connection reset") before it calls the endpoint's error handler, which says peer_gone.
+      if (E::peer_exited(r)) return make_error_code(errc::peer_gone);
     }
     return status_error(st);
   }
