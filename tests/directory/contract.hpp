@@ -885,8 +885,9 @@ inline void named_peer_fencing(directory_world& w) {
   REQUIRE(settle(p3.withdraw()) == ferry::transfer_state::success);
   REQUIRE(wait_until([&] { return e3.severed() != 0; }, hang_bound));
   CHECK(e3.severed() == static_cast<int>(ferry::directory_errc::peer_gone));
+  // It had a peer and now has none: peer_gone, not merely not_found.
   CHECK(text(failure_of_call([&] { return peer.get(hang_bound); }).code) ==
-        text(ferry::directory_errc::not_found));
+        text(ferry::directory_errc::peer_gone));
 }
 
 /// named_peer under a storm: getter threads call get() without pause while the publisher restarts

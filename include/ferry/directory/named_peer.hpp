@@ -75,7 +75,9 @@ class named_peer {
   /// it never had one, or what the lookup or connect failed with.
   Endpoint get(std::chrono::nanoseconds timeout) {
     if (auto e = state_->current()) return *e;
-    return state_->install(dir_.lookup(state_->name, timeout).get());
+    pending_result<directory_record> found = dir_.lookup(state_->name, timeout);
+    (void)found.made().wait();
+    return state_->install(state_->take(found));
   }
 
   /// get(), to co_await: the lookup does not block the calling thread (the connect function runs on
@@ -83,8 +85,8 @@ class named_peer {
   task<Endpoint> use(std::chrono::nanoseconds timeout) {
     if (auto e = state_->current()) co_return *e;
     pending_result<directory_record> found = dir_.lookup(state_->name, timeout);
-    directory_record r = co_await found;
-    co_return state_->install(std::move(r));
+    (void)co_await found.made();
+    co_return state_->install(state_->take(found));
   }
 
   /// The incarnation the current endpoint is bound to (0 when there is none).
@@ -148,6 +150,18 @@ class named_peer {
           sever_locked(directory_errc::peer_gone);
         }
       }
+    }
+
+    // The record a finished lookup found; a name that had a peer and now has none is peer_gone.
+    directory_record take(pending_result<directory_record>& found) const {
+      if (found.made().error() == directory_errc::not_found) {
+        std::lock_guard lock(mutex);
+        if (connects != 0) {
+          throw std::system_error(make_error_code(directory_errc::peer_gone),
+                                  "ferry::named_peer: '" + name + "' had a peer and now has none");
+        }
+      }
+      return found.get();
     }
 
     Endpoint install(directory_record r) {
