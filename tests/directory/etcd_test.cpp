@@ -134,6 +134,40 @@ TEST_CASE("etcd stopped and started again: a clear error meanwhile, then publica
     seen = ev.record.name == "later" && ev.what == ferry::directory_event::kind::published;
   }
   CHECK(seen);
+  // The incarnation counter is etcd's: after a restart without data, the publication put back
+  // restored it, so a later publication under the name still counts on from there.
+  ferry::publication next = b.publish("svc", bytes_of("v3"), po).get();
+  CHECK(next.incarnation() > pub.incarnation());
+}
+
+TEST_CASE("etcd: a publisher whose lease was lost does not put its old record over its "
+          "replacement's",
+          "[directory-etcd][concurrency]") {
+  if (!etcd_or_skip()) return;
+  etcd_server& etcd = shared_etcd();
+  const std::string root = fresh_root();
+  ferry::progress_executor exec_a, exec_b;
+  ferry::etcd_directory a(exec_a, at(etcd, root)), b(exec_b, at(etcd, root));
+  ferry::publish_options po;
+  po.lease = std::chrono::milliseconds(3000);
+  ferry::publication old = a.publish("svc/z", bytes_of("old"), po).get();
+  // Its lease ends behind its back (as when it hangs past it): every lease in etcd is revoked.
+  std::string leases;
+  REQUIRE(etcd.post("/v3/lease/leases", "{}", &leases) == 200);
+  for (std::size_t at_id = leases.find("\"ID\":\""); at_id != std::string::npos;
+       at_id = leases.find("\"ID\":\"", at_id + 1)) {
+    const std::size_t from = at_id + 6;
+    const std::string id = leases.substr(from, leases.find('"', from) - from);
+    (void)etcd.post("/v3/lease/revoke", "{\"ID\":\"" + id + "\"}");
+  }
+  ferry::publication fresh = b.publish("svc/z", bytes_of("new"), po).get();
+  CHECK(fresh.incarnation() > old.incarnation());
+  // Its next keepalive finds the lease gone; the name is no longer its own.
+  CHECK(wait_until([&] { return old.health() == directory_errc::superseded; }, hang_bound));
+  const ferry::directory_record now = b.lookup("svc/z", std::chrono::seconds(5)).get();
+  CHECK(now.incarnation == fresh.incarnation());
+  CHECK(now.value == bytes_of("new"));
+  CHECK(old.republished() == 0u);
 }
 
 TEST_CASE("etcd directory options that cannot work are refused with a message",

@@ -235,6 +235,31 @@ TEST_CASE("local_directory: a lease lost while the executor stalled is put back,
   CHECK(peer.connects() == 2u);
 }
 
+TEST_CASE("local_directory: a publisher that hung past its lease does not put its old record over "
+          "its replacement's when it comes back",
+          "[directory][local][concurrency]") {
+  local_world w;
+  client a(w), b(w), reader(w);
+  executor_stall stall(*a.exec);
+  ferry::watcher watch = reader->watch("svc/z");
+  ferry::publication old =
+      take(a->publish("svc/z", bytes_of("old"), with_lease(std::chrono::milliseconds(300))));
+  REQUIRE(take(watch.next(hang_bound)).what == ferry::directory_event::kind::published);
+  // The old publisher hangs past its lease; its replacement publishes meanwhile.
+  std::thread hang([&] { stall.hold(std::chrono::milliseconds(1500)); });
+  REQUIRE(take(watch.next(hang_bound)).what == ferry::directory_event::kind::gone);
+  ferry::publication fresh = take(b->publish("svc/z", bytes_of("new")));
+  CHECK(fresh.incarnation() > old.incarnation());
+  hang.join();
+  // It comes back and finds its lease gone: it gives the name up instead of putting its record back.
+  CHECK(eventually([&] { return old.health() == ferry::directory_errc::superseded; }));
+  const ferry::directory_record now = take(reader->lookup("svc/z", hang_bound));
+  CHECK(now.incarnation == fresh.incarnation());
+  CHECK(string_of(now.value) == "new");
+  CHECK(!fresh.health());
+  CHECK(old.republished() == 0u);
+}
+
 TEST_CASE("local_directory: clients made without a registry share the process-wide one",
           "[directory][local]") {
   ferry::progress_executor e1, e2;

@@ -107,28 +107,40 @@ struct watch_state {
     return prefix ? name.compare(0, key.size(), key) == 0 : name == key;
   }
 
-  // Any thread. Hands the event to the hook, to a waiting next(), or to the buffer.
+  // Any thread. Hands the event to the hook, to a waiting next(), or to the buffer. A waiting
+  // next() is completed after the lock is let go: its continuation may run here (an inline
+  // scheduler) and call next() again.
   void deliver(directory_event ev) {
     if (hook) return hook(ev);
-    std::lock_guard lock(mutex);
-    if (failure) return;
-    if (waiter) {
-      std::exchange(waiter, nullptr)->succeed(std::move(ev));
-      return;
+    std::shared_ptr<result_sink<directory_event>> taker;
+    {
+      std::lock_guard lock(mutex);
+      if (failure) return;
+      if (waiter) {
+        taker = std::exchange(waiter, nullptr);
+      } else if (events.size() >= max_events) {
+        events.clear();
+        failure = make_error_code(directory_errc::watch_overflowed);
+        return;
+      } else {
+        events.push_back(std::move(ev));
+        return;
+      }
     }
-    if (events.size() >= max_events) {
-      events.clear();
-      failure = make_error_code(directory_errc::watch_overflowed);
-      return;
-    }
-    events.push_back(std::move(ev));
+    taker->succeed(std::move(ev));
   }
 
   // Any thread. Ends the watch: a waiting next() and later ones fail with `ec`.
   void end(std::error_code ec, const std::string& what) {
-    std::lock_guard lock(mutex);
-    if (!failure) failure = ec;
-    if (waiter) std::exchange(waiter, nullptr)->fail(failure, what);
+    std::shared_ptr<result_sink<directory_event>> taker;
+    std::error_code why;
+    {
+      std::lock_guard lock(mutex);
+      if (!failure) failure = ec;
+      why = failure;
+      taker = std::exchange(waiter, nullptr);
+    }
+    if (taker) taker->fail(why, what);
   }
 };
 
@@ -433,7 +445,10 @@ class directory {
   void end_watch(const std::shared_ptr<detail::watch_state>& w) {
     if (!w) return;
     w->end(make_error_code(directory_errc::closed), "ferry directory: the watch was ended");
-    post([this, w] { stop_watch(w); });
+    post([this, w] {
+      stop_watch(w);
+      std::erase(watches_, w);
+    });
   }
 
   /// The completion source's poll, for the executor only.
@@ -619,13 +634,21 @@ class directory {
     return w;
   }
 
-  void schedule_keepalive(const std::shared_ptr<detail::publication_state>& p) {
+  // The next renewal a third of the lease after this one was sent (at least a millisecond); after a
+  // renewal that failed (the service did not answer), a tenth of the lease, so that one slow answer
+  // does not cost the lease.
+  void schedule_keepalive(const std::shared_ptr<detail::publication_state>& p,
+                          clock::time_point from = clock::now(), bool retry = false) {
     if (p->withdrawn || stopping_ || abandoned_) return;
-    p->keepalive_timer = at(clock::now() + p->lease / 3, [this, p] {
+    const auto step = std::max<clock::duration>(std::chrono::milliseconds(1),
+                                                retry ? p->lease / 10 : p->lease / 3);
+    p->keepalive_timer = at(std::max(from + step, clock::now()), [this, p] {
       if (p->withdrawn) return;
-      start_keepalive(p, [this, p](std::error_code ec, std::string) {
+      const auto sent = clock::now();
+      start_keepalive(p, [this, p, sent](std::error_code ec, std::string) {
         if (!p->withdrawn) p->set_health(ec);
-        schedule_keepalive(p);
+        const bool failed = ec && ec != directory_errc::lease_lost;
+        schedule_keepalive(p, failed ? clock::now() : sent, failed);
       });
     });
   }
@@ -771,11 +794,14 @@ inline pending_result<directory_event> watcher::next(std::chrono::nanoseconds ti
     const auto deadline = directory::deadline_after(timeout);
     d->post([d, w = state_, id, deadline] {
       (void)d->at(deadline, [w, id] {
-        std::lock_guard held(w->mutex);
-        if (w->waiter && w->waiter_id == id) {
-          std::exchange(w->waiter, nullptr)
-              ->fail(make_error_code(directory_errc::deadline_exceeded),
-                     "ferry directory: no change under '" + w->key + "' before the deadline");
+        std::shared_ptr<detail::result_sink<directory_event>> taker;
+        {
+          std::lock_guard held(w->mutex);
+          if (w->waiter && w->waiter_id == id) taker = std::exchange(w->waiter, nullptr);
+        }
+        if (taker) {
+          taker->fail(make_error_code(directory_errc::deadline_exceeded),
+                      "ferry directory: no change under '" + w->key + "' before the deadline");
         }
       });
     });

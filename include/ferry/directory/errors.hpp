@@ -22,6 +22,7 @@ enum class directory_errc : int {
   peer_gone,            ///< the peer's lease expired or it withdrew: nobody is under the name now
   watch_overflowed,     ///< a watcher fell behind by more events than it buffers: watch again
   service_error,        ///< the directory service refused a request; the message says what it said
+  superseded,           ///< a newer incarnation was published under the name: this one lost it
 };
 
 /// The message for `e` (what error_code::message() says); nullptr for a value that is no errc.
@@ -44,6 +45,8 @@ enum class directory_errc : int {
     case directory_errc::watch_overflowed:
       return "the watcher fell behind by more events than it buffers";
     case directory_errc::service_error: return "the directory service refused the request";
+    case directory_errc::superseded:
+      return "a newer incarnation was published under the name: this publication no longer holds it";
   }
   return nullptr;
 }

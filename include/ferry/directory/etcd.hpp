@@ -271,12 +271,18 @@ class etcd_directory final : public directory {
     c->url = options_.endpoints[endpoint_index_ % options_.endpoints.size()] + c->path;
     const std::string& url = c->url;
     c->headers = ::curl_slist_append(nullptr, "Content-Type: application/json");
+    // The watch: etcd closes it when its member loses the cluster's leader (rather than serving a
+    // stream no event will come through), so that it is opened again on a member that has one.
+    if (stream) c->headers = ::curl_slist_append(c->headers, "Grpc-Metadata-hasleader: true");
     ::curl_easy_setopt(easy, CURLOPT_URL, url.c_str());
     ::curl_easy_setopt(easy, CURLOPT_HTTPHEADER, c->headers);
     ::curl_easy_setopt(easy, CURLOPT_POSTFIELDS, c->body.c_str());
     ::curl_easy_setopt(easy, CURLOPT_POSTFIELDSIZE, static_cast<long>(c->body.size()));
     ::curl_easy_setopt(easy, CURLOPT_NOSIGNAL, 1L);
     ::curl_easy_setopt(easy, CURLOPT_TCP_KEEPALIVE, 1L);
+    // A connection gone quiet (a peer host gone, a half-open socket) is noticed in seconds.
+    ::curl_easy_setopt(easy, CURLOPT_TCP_KEEPIDLE, 5L);
+    ::curl_easy_setopt(easy, CURLOPT_TCP_KEEPINTVL, 2L);
     ::curl_easy_setopt(easy, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(options_.request_timeout.count()));
     if (!stream) {
       auto bound = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock::now());
@@ -299,7 +305,9 @@ class etcd_directory final : public directory {
     const std::size_t bytes = size * n;
     if (c->response.size() + bytes > c->max_response) return 0;  // curl fails the transfer
     c->response.append(data, bytes);
-    if (c->stream) c->owner->drain_stream_lines(*c);
+    // A watch etcd cancelled (a compaction, or the server's own reasons) fails the transfer: the
+    // stream is then opened again after a resync.
+    if (c->stream && !c->owner->drain_stream_lines(*c)) return 0;
     return bytes;
   }
 
@@ -434,27 +442,95 @@ class etcd_directory final : public directory {
   }
 
   // ---- publish
+  // The counter's value: the name's last incarnation as 20 decimal digits, so that byte order is
+  // number order.
+  [[nodiscard]] static std::string counter_text(std::uint64_t n) {
+    std::string digits = std::to_string(n);
+    return std::string(20 - digits.size(), '0') + digits;
+  }
+
+  // A compare of a transaction on `key`.
+  [[nodiscard]] static json compare(const std::string& key, const char* target, json value) {
+    json c{{"key", detail::base64_encode(key)}, {"target", target}, {"result", "EQUAL"}};
+    if (std::string(target) == "VALUE") {
+      c["value"] = detail::base64_encode(value.get<std::string>());
+    } else if (std::string(target) == "VERSION") {
+      c["version"] = std::move(value);
+    } else {
+      c["mod_revision"] = std::move(value);
+    }
+    return c;
+  }
+
+  [[nodiscard]] static bool succeeded(const json& body) {
+    const json* s = detail::json_member(body, "succeeded");  // etcd leaves out a false one
+    return s != nullptr && s->is_boolean() && s->get<bool>();
+  }
+
+  // ---- publish: claim the next incarnation (a compare-and-swap on the counter), grant a lease, put
+  // the record only while the counter still says this incarnation (a newer publisher wins).
   void start_publish(std::shared_ptr<detail::publication_state> p, clock::time_point deadline,
                      done_fn done) override {
-    json put{{"key", detail::base64_encode(counter_key(p->name))}, {"value", ""}, {"prev_kv", true}};
-    request("/v3/kv/put", put, deadline,
-            [this, p, deadline, done](const std::string& f, long status, const json& body) {
+    claim_incarnation(std::move(p), deadline, std::move(done), 0);
+  }
+
+  void claim_incarnation(std::shared_ptr<detail::publication_state> p, clock::time_point deadline,
+                         done_fn done, int attempt) {
+    json range{{"key", detail::base64_encode(counter_key(p->name))}};
+    request("/v3/kv/range", range, deadline,
+            [this, p, deadline, done, attempt](const std::string& f, long status, const json& body) {
               auto [ec, why] = judge(f, status, body, "publish '" + p->name + "'");
               if (ec) return done(ec, why);
-              std::int64_t version = 0;
-              if (const json* prev = detail::json_member(body, "prev_kv")) {
-                version = detail::json_int(*prev, "version");
+              std::uint64_t last = 0;
+              std::int64_t mod = 0;
+              const json* kvs = detail::json_member(body, "kvs");
+              if (kvs != nullptr && kvs->is_array() && !kvs->empty()) {
+                std::string text;
+                const bool ok = detail::base64_decode(detail::json_string((*kvs)[0], "value"), text) &&
+                                text.size() == 20 &&
+                                text.find_first_not_of("0123456789") == std::string::npos;
+                if (!ok) {
+                  return done(make_error_code(directory_errc::bad_record),
+                              "ferry directory: the incarnation counter of '" + p->name +
+                                  "' in etcd is not a ferry counter");
+                }
+                last = std::stoull(text);
+                mod = detail::json_int((*kvs)[0], "mod_revision");
               }
-              p->incarnation = static_cast<std::uint64_t>(version) + 1;
-              grant_and_put(p, deadline, done);
+              const std::uint64_t next = last + 1;
+              const std::string key = counter_key(p->name);
+              json txn{{"compare", json::array({mod == 0 ? compare(key, "VERSION", "0")
+                                                         : compare(key, "MOD", std::to_string(mod))})},
+                       {"success", json::array({{{"request_put",
+                                                  {{"key", detail::base64_encode(key)},
+                                                   {"value", detail::base64_encode(counter_text(next))}}}}})}};
+              request("/v3/kv/txn", txn, deadline,
+                      [this, p, deadline, done, attempt, next](const std::string& f2, long s2,
+                                                                const json& b2) {
+                        auto [ec2, why2] = judge(f2, s2, b2, "publish '" + p->name + "'");
+                        if (ec2) return done(ec2, why2);
+                        if (!succeeded(b2)) {  // another publisher took it first: read again
+                          if (attempt >= 32) {
+                            return done(make_error_code(directory_errc::service_error),
+                                        "ferry directory: publish '" + p->name +
+                                            "': 32 other publications under the name got there first");
+                          }
+                          return claim_incarnation(p, deadline, done, attempt + 1);
+                        }
+                        p->incarnation = next;
+                        grant_and_put(p, deadline, done, false);
+                      });
             });
   }
 
+  // Grants a lease and puts the record on it, only while the counter still holds p's incarnation.
+  // `restore` (putting it back after the lease was lost): a counter etcd no longer has (it lost its
+  // data) is put back too, so that later publications count on from this incarnation.
   void grant_and_put(std::shared_ptr<detail::publication_state> p, clock::time_point deadline,
-                     done_fn done) {
+                     done_fn done, bool restore) {
     json grant{{"TTL", std::to_string(ttl_seconds(p->lease))}};
     request("/v3/lease/grant", grant, deadline,
-            [this, p, deadline, done](const std::string& f, long status, const json& body) {
+            [this, p, deadline, done, restore](const std::string& f, long status, const json& body) {
               auto [ec, why] = judge(f, status, body, "grant a lease for '" + p->name + "'");
               if (ec) return done(ec, why);
               const std::int64_t id = detail::json_int(body, "ID");
@@ -462,29 +538,77 @@ class etcd_directory final : public directory {
                 return done(make_error_code(directory_errc::service_error),
                             "ferry directory: etcd granted no lease for '" + p->name + "'");
               }
+              if (p->withdrawn) {  // withdrawn while the lease was being granted
+                revoke(id);
+                return done(make_error_code(directory_errc::closed),
+                            "ferry directory: '" + p->name + "' was withdrawn");
+              }
               p->lease_id = id;
-              const std::vector<std::byte> env = encode_record(p->incarnation, p->value);
-              json put{{"key", detail::base64_encode(record_key(p->name))},
-                       {"value", detail::base64_encode(std::string_view(
-                                     reinterpret_cast<const char*>(env.data()), env.size()))},
-                       {"lease", std::to_string(id)}};
-              request("/v3/kv/put", put, deadline,
-                      [p, done](const std::string& f2, long s2, const json& b2) {
-                        auto [ec2, why2] = judge(f2, s2, b2, "publish '" + p->name + "'");
-                        done(ec2, why2);
-                      });
+              put_record(p, deadline, done,
+                         restore ? counter_check::ours_or_restore : counter_check::ours);
             });
+  }
+
+  // How put_record checks the counter: it holds this incarnation (`ours`); that, or else it is gone
+  // and goes back with the record (`ours_or_restore`, after a lost lease); it is gone (`restore`).
+  enum class counter_check { ours, ours_or_restore, restore };
+
+  void put_record(std::shared_ptr<detail::publication_state> p, clock::time_point deadline,
+                  done_fn done, counter_check check) {
+    const std::vector<std::byte> env = encode_record(p->incarnation, p->value);
+    const std::string counter = counter_key(p->name);
+    json ops = json::array({{{"request_put",
+                              {{"key", detail::base64_encode(record_key(p->name))},
+                               {"value", detail::base64_encode(std::string_view(
+                                             reinterpret_cast<const char*>(env.data()), env.size()))},
+                               {"lease", std::to_string(p->lease_id)}}}}});
+    json cmp;
+    if (check == counter_check::restore) {
+      cmp = compare(counter, "VERSION", "0");
+      ops.push_back({{"request_put",
+                      {{"key", detail::base64_encode(counter)},
+                       {"value", detail::base64_encode(counter_text(p->incarnation))}}}});
+    } else {
+      cmp = compare(counter, "VALUE", counter_text(p->incarnation));
+    }
+    json txn{{"compare", json::array({cmp})}, {"success", ops}};
+    request("/v3/kv/txn", txn, deadline,
+            [this, p, deadline, done, check](const std::string& f, long status, const json& body) {
+              auto [ec, why] = judge(f, status, body, "publish '" + p->name + "'");
+              if (ec) return done(ec, why);
+              if (succeeded(body)) return done({}, {});
+              if (check == counter_check::ours_or_restore) {
+                return put_record(p, deadline, done, counter_check::restore);
+              }
+              // A newer incarnation holds the name: this publication has lost it for good.
+              revoke(p->lease_id);
+              p->withdrawn = true;
+              p->set_health(make_error_code(directory_errc::superseded));
+              done(make_error_code(directory_errc::superseded),
+                   "ferry directory: '" + p->name + "': incarnation " +
+                       std::to_string(p->incarnation) + " was superseded by a newer one");
+            });
+  }
+
+  void revoke(std::int64_t lease) {
+    json body{{"ID", std::to_string(lease)}};
+    request("/v3/lease/revoke", body, clock::now() + options_.request_timeout,
+            [](const std::string&, long, const json&) {});
   }
 
   void start_keepalive(std::shared_ptr<detail::publication_state> p, done_fn done) override {
     json body{{"ID", std::to_string(p->lease_id)}};
-    request("/v3/lease/keepalive", body, clock::time_point::max(),
+    // Bounded by a third of the lease, so that a slow answer leaves time to try again before the
+    // lease ends.
+    const auto bound = clock::now() + std::min<clock::duration>(options_.request_timeout, p->lease / 3);
+    request("/v3/lease/keepalive", body, bound,
             [this, p, done](const std::string& f, long status, const json& b) {
               auto [ec, why] = judge(f, status, b, "renew the lease of '" + p->name + "'");
               if (ec) return done(ec, why);
               const json* result = detail::json_member(b, "result");
               if (result != nullptr && detail::json_int(*result, "TTL") > 0) return done({}, {});
-              // etcd no longer knows the lease: put the record back under the same incarnation.
+              // etcd no longer knows the lease: put the record back under the same incarnation,
+              // unless a newer one holds the name by now.
               if (p->withdrawn) return done({}, {});
               grant_and_put(p, clock::now() + options_.request_timeout,
                             [p, done](std::error_code e2, std::string w2) {
@@ -493,7 +617,8 @@ class etcd_directory final : public directory {
                                 ++p->republished;
                               }
                               done(e2 ? e2 : make_error_code(directory_errc::lease_lost), w2);
-                            });
+                            },
+                            true);
             });
   }
 
@@ -664,37 +789,50 @@ class etcd_directory final : public directory {
   void retry_stream() {
     synced_ = false;
     // Watchers waiting for the stream are let go: their watch is registered, and what changes
-    // meanwhile reaches them as differences once the stream is back.
+    // meanwhile reaches them as differences once the stream is back. Told nothing yet, they learn
+    // every record then (as published).
+    if (!waiting_ready_.empty()) told_once_ = true;
     for (auto& r : std::exchange(waiting_ready_, {})) r();
     backoff_ = backoff_.count() == 0 ? options_.reconnect_min
                                      : std::min(backoff_ * 2, options_.reconnect_max);
     (void)at(clock::now() + backoff_, [this] { resync(); });
   }
 
-  void drain_stream_lines(call& c) {
+  // False once etcd cancelled the watch.
+  bool drain_stream_lines(call& c) {
     std::size_t start = 0;
+    bool live = true;
     for (;;) {
       const std::size_t nl = c.response.find('\n', start);
       if (nl == std::string::npos) break;
-      on_stream_message(std::string_view(c.response).substr(start, nl - start));
+      live = on_stream_message(std::string_view(c.response).substr(start, nl - start)) && live;
       start = nl + 1;
     }
     c.response.erase(0, start);
+    return live;
   }
 
-  void on_stream_message(std::string_view line) {
-    if (line.empty()) return;
+  // False when the message says etcd cancelled the watch.
+  bool on_stream_message(std::string_view line) {
+    if (line.empty()) return true;
     json msg = json::parse(line, nullptr, false);
     const json* result = msg.is_discarded() ? nullptr : detail::json_member(msg, "result");
-    if (result == nullptr) return;  // an error line: the stream ends next, and is opened again
-    if (const json* created = detail::json_member(*result, "created"); created && created->is_boolean() && created->get<bool>()) {
+    // An error line, or anything else: the stream is opened again.
+    if (result == nullptr) return false;
+    const json* canceled = detail::json_member(*result, "canceled");
+    if ((canceled != nullptr && canceled->is_boolean() && canceled->get<bool>()) ||
+        detail::json_int(*result, "compact_revision") > 0) {
+      return false;
+    }
+    if (const json* created = detail::json_member(*result, "created");
+        created != nullptr && created->is_boolean() && created->get<bool>()) {
       synced_ = true;
       backoff_ = std::chrono::milliseconds(0);
       streams_opened_.fetch_add(1, std::memory_order_relaxed);
       for (auto& r : std::exchange(waiting_ready_, {})) r();
     }
     const json* events = detail::json_member(*result, "events");
-    if (events == nullptr || !events->is_array()) return;
+    if (events == nullptr || !events->is_array()) return true;
     const std::string prefix = options_.root + "records/";
     for (const json& e : *events) {
       const json* kv = detail::json_member(e, "kv");
@@ -719,6 +857,7 @@ class etcd_directory final : public directory {
         emit_published(*r.record);
       }
     }
+    return true;
   }
 
   void emit_published(const directory_record& r) {

@@ -99,14 +99,21 @@ class local_registry {
   }
 
   // False when the lease is gone.
-  bool put(const std::string& name, std::vector<std::byte> bytes, std::uint64_t lease) {
+  enum class put_result { done, lease_gone, superseded };
+
+  // Puts the record of `incarnation` on `lease`, unless a newer incarnation of the name was issued
+  // (a newer publisher holds the name: a hung one that comes back must not put its old record over
+  // it).
+  put_result put(const std::string& name, std::vector<std::byte> bytes, std::uint64_t lease,
+                 std::uint64_t incarnation) {
     std::unique_lock lock(mutex_);
+    if (counters_[name] > incarnation) return put_result::superseded;
     auto l = leases_.find(lease);
-    if (l == leases_.end()) return false;
+    if (l == leases_.end()) return put_result::lease_gone;
     l->second.names.push_back(name);
     records_[name] = entry{std::move(bytes), lease};
     notify_put(name, lock);
-    return true;
+    return put_result::done;
   }
 
   // Deletes the name if `lease` still holds it, then ends the lease.
@@ -228,15 +235,23 @@ class local_directory final : public directory {
   void start_publish(std::shared_ptr<detail::publication_state> p, clock::time_point,
                      done_fn done) override {
     p->incarnation = registry_->next_incarnation(p->name);
-    put_with_new_lease(*p);
+    if (!put_with_new_lease(*p)) {
+      return done(make_error_code(directory_errc::superseded),
+                  "ferry directory: '" + p->name + "': incarnation " +
+                      std::to_string(p->incarnation) + " was superseded by a newer one");
+    }
     done({}, {});
   }
 
   void start_keepalive(std::shared_ptr<detail::publication_state> p, done_fn done) override {
     if (registry_->keepalive(static_cast<std::uint64_t>(p->lease_id))) return done({}, {});
     // The lease went (expired while this executor was stalled): put the record back, same
-    // incarnation, and report it lost this once.
-    put_with_new_lease(*p);
+    // incarnation, and report it lost this once; unless a newer incarnation holds the name now.
+    if (!put_with_new_lease(*p)) {
+      return done(make_error_code(directory_errc::superseded),
+                  "ferry directory: '" + p->name + "': incarnation " +
+                      std::to_string(p->incarnation) + " was superseded while its lease was lost");
+    }
     {
       std::lock_guard lock(p->mutex);
       ++p->republished;
@@ -278,12 +293,20 @@ class local_directory final : public directory {
   std::size_t poll_io(std::size_t) noexcept override { return 0; }
   [[nodiscard]] int io_fd() const noexcept override { return -1; }
 
-  void put_with_new_lease(detail::publication_state& p) {
+  // False (the lease ended, the publication marked withdrawn and superseded) when a newer
+  // incarnation holds the name.
+  bool put_with_new_lease(detail::publication_state& p) {
     for (;;) {
       p.lease_id = static_cast<std::int64_t>(registry_->grant(p.lease));
-      if (registry_->put(p.name, encode_record(p.incarnation, p.value),
-                         static_cast<std::uint64_t>(p.lease_id))) {
-        return;
+      const auto lease = static_cast<std::uint64_t>(p.lease_id);
+      switch (registry_->put(p.name, encode_record(p.incarnation, p.value), lease, p.incarnation)) {
+        case local_registry::put_result::done: return true;
+        case local_registry::put_result::lease_gone: continue;  // expired at once: grant again
+        case local_registry::put_result::superseded:
+          registry_->withdraw(p.name, lease);  // ends the lease; the newer record is not ours
+          p.withdrawn = true;
+          p.set_health(make_error_code(directory_errc::superseded));
+          return false;
       }
     }
   }
