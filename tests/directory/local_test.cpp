@@ -246,11 +246,10 @@ TEST_CASE("local_directory: a publisher that hung past its lease does not put it
       take(a->publish("svc/z", bytes_of("old"), with_lease(std::chrono::milliseconds(300))));
   REQUIRE(take(watch.next(hang_bound)).what == ferry::directory_event::kind::published);
   // The old publisher hangs past its lease; its replacement publishes meanwhile.
-  std::thread hang([&] { stall.hold(std::chrono::milliseconds(1500)); });
+  stall.hold(std::chrono::milliseconds(1500));  // returns once its executor is held
   REQUIRE(take(watch.next(hang_bound)).what == ferry::directory_event::kind::gone);
   ferry::publication fresh = take(b->publish("svc/z", bytes_of("new")));
   CHECK(fresh.incarnation() > old.incarnation());
-  hang.join();
   // It comes back and finds its lease gone: it gives the name up instead of putting its record back.
   CHECK(eventually([&] { return old.health() == ferry::directory_errc::superseded; }));
   const ferry::directory_record now = take(reader->lookup("svc/z", hang_bound));

@@ -36,6 +36,7 @@
 #include <chrono>
 #include <cstdint>
 #include <atomic>
+#include <deque>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -254,9 +255,23 @@ class etcd_directory final : public directory {
   using json = nlohmann::json;
 
   // ---- HTTP through curl's multi interface (executor thread)
+  // A request waiting for one of the max_connections: its timeout counts from when it goes out, not
+  // from when it was queued (curl's would count the wait for a connection too).
+  struct queued_request {
+    std::string path;
+    json body;
+    clock::time_point deadline;
+    std::function<void(const std::string&, long, const json&)> done;
+  };
+
   void request(std::string path, const json& body, clock::time_point deadline,
                std::function<void(const std::string&, long, const json&)> done,
                bool stream = false) {
+    if (!stream && in_flight_ >= options_.max_connections) {
+      waiting_.push_back({std::move(path), body, deadline, std::move(done)});
+      return;
+    }
+    if (!stream) ++in_flight_;
     auto c = std::make_unique<call>();
     c->path = std::move(path);
     c->body = body.dump();
@@ -265,6 +280,7 @@ class etcd_directory final : public directory {
     c->owner = this;
     CURL* easy = ::curl_easy_init();
     if (easy == nullptr) {
+      if (!stream) --in_flight_;
       c->done("curl_easy_init failed", 0, json());
       return;
     }
@@ -316,6 +332,10 @@ class etcd_directory final : public directory {
     if (it == calls_.end()) return;
     std::unique_ptr<call> c = std::move(it->second);
     calls_.erase(it);
+    if (!c->stream) {
+      --in_flight_;
+      start_waiting();
+    }
     long status = 0;
     ::curl_easy_getinfo(easy, CURLINFO_RESPONSE_CODE, &status);
     ::curl_multi_remove_handle(multi_, easy);
@@ -328,6 +348,22 @@ class etcd_directory final : public directory {
     if (result != CURLE_OK) failure = c->url + ": " + ::curl_easy_strerror(result);
     json body = c->stream ? json() : json::parse(c->response, nullptr, false);
     c->done(failure, status, body);
+  }
+
+  // Sends the requests that waited for a connection, as connections free up; one whose deadline
+  // passed while it waited ends as unanswered.
+  void start_waiting() {
+    while (!waiting_.empty() && in_flight_ < options_.max_connections) {
+      queued_request q = std::move(waiting_.front());
+      waiting_.pop_front();
+      if (q.deadline != clock::time_point::max() && q.deadline <= clock::now()) {
+        q.done(options_.endpoints[endpoint_index_ % options_.endpoints.size()] + q.path +
+                   ": the deadline passed while it waited for a connection",
+               0, json());
+        continue;
+      }
+      request(std::move(q.path), q.body, q.deadline, std::move(q.done));
+    }
   }
 
   // ---- the completion source (executor thread)
@@ -883,6 +919,8 @@ class etcd_directory final : public directory {
   int epoll_ = -1;
   CURLM* multi_ = nullptr;
   std::map<CURL*, std::unique_ptr<call>> calls_;
+  std::deque<queued_request> waiting_;  // requests beyond max_connections, in order
+  long in_flight_ = 0;                  // requests out, the watch stream aside
   std::set<curl_socket_t> sockets_;
   std::optional<clock::time_point> curl_due_;
   std::optional<timer_key> curl_timer_;
