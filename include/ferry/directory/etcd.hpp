@@ -12,15 +12,19 @@
 //
 // Keys, under options.root (default "ferry/"):
 //   <root>records/<name>        the record envelope (record.hpp), attached to the publisher's lease
-//   <root>incarnations/<name>   the incarnation counter: every publish puts it and takes its etcd
-//                               version, which grows by one per put, as the new incarnation
-// Publish: put the counter (prev_kv) -> incarnation; grant a lease; put the record on the lease.
-// Keepalive: /v3/lease/keepalive every third of the lease; a lease etcd no longer knows (etcd lost
-// its data, or the lease expired while etcd was unreachable) is granted again and the record put back
-// under the same incarnation (publication::republished counts it).
+//   <root>incarnations/<name>   the name's last incarnation, 20 decimal digits
+// Publish: claim the next incarnation with a compare-and-swap on the counter; grant a lease; put the
+// record on the lease in a transaction that requires the counter to still hold this incarnation (a
+// newer publisher always wins: the older one ends with directory_errc::superseded).
+// Keepalive: /v3/lease/keepalive every third of the lease (retried after a tenth when etcd did not
+// answer); a lease etcd no longer knows (etcd lost its data, or the lease expired while etcd was
+// unreachable) is granted again and the record put back under the same incarnation, with the
+// counter too if etcd lost it (publication::republished counts it); superseded if a newer
+// incarnation holds the name by then.
 // Withdraw: revoke the lease, which deletes the record if it is still ours (a newer incarnation's
 // record is on its own lease and stays).
-// Lookups: transactions of up to 64 range reads, all in flight at once.
+// Lookups: transactions of up to 64 range reads, etcd_options::max_connections of them at once
+// (more wait in order; a request's timeout counts from when it goes out).
 // Watches: one watch stream per directory on <root>records/, its events handed to every watcher
 // whose name or prefix matches. When the stream breaks (etcd stopped, restarted, a compaction) it is
 // opened again with backoff: all records are read, compared with what watchers were told (gone and
