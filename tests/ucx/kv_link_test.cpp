@@ -22,6 +22,7 @@
 #include <ferry/ucx.hpp>
 
 #include "helpers.hpp"
+#include "kv/push_consumer.hpp"
 #include "ucx/peer_process.hpp"
 
 using namespace ferry_test;
@@ -107,12 +108,7 @@ struct joined {
 };
 
 
-// Runs `t` on the engine's own thread, blocking this one until it ends.
-template <class T>
-T run_on(engine& e, ferry::task<T> t) {
-  ferry::any_scheduler s = ferry::any_scheduler::reference(e.thread.loop());
-  return ferry::sync_wait(s, std::move(t));
-}
+using kv_links::run_on;
 
 // The plan from `src` (rank src_tp) into `dst` for a request whose block i at the source is
 // src_ids[i] and at the destination dst_ids[i].
@@ -223,73 +219,11 @@ TEST_CASE("kv over ucx: pull, TP 1->1 and 2->1: every layer lands byte-exact, th
 
 namespace {
 
-// A consumer's side of push: its tracker, receiver and receive loop, on its engine thread.
-struct push_consumer {
-  explicit push_consumer(engine& e) : e(e) {}
-  push_consumer(const push_consumer&) = delete;
-  push_consumer& operator=(const push_consumer&) = delete;
-  // The receive loop ends before the engine thread goes: closing the link fails its wait.
-  ~push_consumer() {
-    if (from_ == nullptr) return;
-    from_->endpoint().close();
-    CHECK(wait_until([&] { return receive_ended.load(); }));
-  }
-
-  // Expects `id` and starts the receive loop (once) on the engine thread.
-  void expect(kv::ucx_link& from, kv::request_id id, const kv::block_pairs& g,
-              std::chrono::milliseconds abort_timeout) {
-    run_on(e, [](push_consumer& self, kv::ucx_link& from, kv::request_id id, kv::block_pairs g,
-                 std::chrono::milliseconds abort_timeout) -> ferry::task<int> {
-      if (self.from_ == nullptr) {
-        self.from_ = &from;
-        ferry::spawn(self.e.thread.loop(), self.receiver.receive(from),
-                     [&self](std::exception_ptr) noexcept { self.receive_ended.store(true); });
-      }
-      kv::request_options o;
-      o.abort_timeout = abort_timeout;
-      const auto h = self.tracker.add_request(id, o);
-      self.receiver.expect(self.tracker, h, id, self.e.layout, std::span(&g, 1));
-      self.tracker.seal(h);
-      co_return 0;
-    }(*this, from, id, g, abort_timeout));
-  }
-
-  // Waits on the engine thread until `id`'s verdict is terminal (bounded), taking finished
-  // requests; returns the verdict.
-  kv::request_verdict verdict(kv::request_id id) {
-    return run_on(e, [](push_consumer& self, kv::request_id id) -> ferry::task<kv::request_verdict> {
-      const auto until = clock_type::now() + hang_bound;
-      kv::request_verdict v = kv::request_verdict::pending;
-      while (clock_type::now() < until) {
-        v = self.tracker.verdict(id);
-        if (v != kv::request_verdict::pending) break;
-        co_await hop{self.e.thread.loop()};  // let the receive loop run
-      }
-      // A timed-out request drains (cancelled by take_finished, kept until its late notice or the
-      // link's failure); any other is handed back by the next take_finished.
-      for (const auto& f : self.tracker.take_finished()) self.finished.push_back(f.id);
-      co_return v;
-    }(*this, id));
-  }
-
-  // Waits on the engine thread (bounded) until the tracker has handed `id` back.
-  bool released(kv::request_id id) {
-    return run_on(e, [](push_consumer& self, kv::request_id id) -> ferry::task<bool> {
-      const auto until = clock_type::now() + hang_bound;
-      while (self.tracker.tracks(id) && clock_type::now() < until) {
-        for (const auto& f : self.tracker.take_finished()) self.finished.push_back(f.id);
-        co_await hop{self.e.thread.loop()};
-      }
-      co_return !self.tracker.tracks(id);
-    }(*this, id));
-  }
-
-  engine& e;
-  kv::push_receiver receiver;
-  kv::load_tracker tracker{{}, [this](const ferry::transfer& t) { receiver.cancel(t); }};
-  kv::ucx_link* from_ = nullptr;  // the link the receive loop runs on, once started
-  std::atomic<bool> receive_ended{false};
-  std::vector<kv::request_id> finished;
+// A consumer's side of push (tests/kv/push_consumer.hpp) on this file's engine and link.
+struct push_consumer : kv_links::push_consumer<engine, kv::ucx_link> {
+  explicit push_consumer(engine& e)
+      : kv_links::push_consumer<engine, kv::ucx_link>(
+            e, [](engine&, kv::ucx_link& l) { l.endpoint().close(); }) {}
 };
 
 }  // namespace
