@@ -764,7 +764,8 @@ inline void bad_names_are_refused(directory_world& w) {
 
 /// withdraw() then lookup: not_found; withdrawing twice is fine; dropping the handle withdraws (in
 /// a while); move-assigning over a handle withdraws what it held; a client that goes withdraws what
-/// it published, and its leftover handles fail with closed.
+/// it published, and its leftover handles fail with closed; a handle dropped just before its client
+/// goes is withdrawn by the time the client is gone.
 inline void withdraw_takes_name_down(directory_world& w) {
   const std::string ns = scope(w, "withdraw");
   auto a = std::make_unique<client>(w);
@@ -802,6 +803,18 @@ inline void withdraw_takes_name_down(directory_world& w) {
   CHECK(settle(late) == ferry::transfer_state::failed);
   CHECK(text(late.error()) == text(ferry::directory_errc::closed));
   CHECK(left.name() == ns + "left");
+
+  // A publication dropped just before its client goes (a server's shutdown: the handle, then the
+  // directory) is withdrawn, not left to a lease longer than any wait here.
+  for (int round = 0; round < 5; ++round) {
+    auto c = std::make_unique<client>(w);
+    const std::string name = ns + "last-" + std::to_string(round);
+    {
+      ferry::publication last = take((*c)->publish(name, bytes_of("x"), with_lease(std::chrono::seconds(60))));
+    }
+    c.reset();
+    CHECK(text(failure_of(b->lookup(name, hang_bound)).code) == text(ferry::directory_errc::not_found));
+  }
 }
 
 /// named_peer with a fake endpoint: bound to the publication's incarnation; severed with

@@ -508,6 +508,12 @@ class directory {
             }
           });
         }
+        // Withdrawals already on their way (a dropped publication's) get the same farewell.
+        if (withdrawing_ > 0) {
+          auto [wt, wc] = make_manual_transfer();
+          withdrawals.push_back(std::move(wt));
+          withdraw_waiters_.push_back(std::move(wc));
+        }
         c.succeed();
       });
       (void)t.wait();
@@ -719,6 +725,14 @@ class directory {
   std::atomic<bool> stopping_{false};
   bool abandoned_ = false;  // executor only
   std::vector<std::shared_ptr<detail::publication_state>> live_;  // executor only
+  // Withdrawals started by withdraw() or a dropped publication and not yet confirmed, and stop()'s
+  // wait for them: the service hears of a withdrawal made just before the directory goes.
+  std::size_t withdrawing_ = 0;               // executor only
+  std::vector<completer> withdraw_waiters_;  // executor only
+  void withdraw_ended() {
+    if (--withdrawing_ > 0) return;
+    for (completer& w : std::exchange(withdraw_waiters_, {})) w.succeed();
+  }
   std::vector<std::shared_ptr<detail::watch_state>> watches_;     // executor only
 };
 
@@ -750,12 +764,14 @@ inline transfer publication::withdraw(std::chrono::nanoseconds timeout) {
     p->withdrawn = true;
     d->cancel(p->keepalive_timer);
     std::erase(d->live_, p);
-    d->start_withdraw(p, deadline, [c = std::move(c)](std::error_code ec) mutable {
+    ++d->withdrawing_;
+    d->start_withdraw(p, deadline, [d, c = std::move(c)](std::error_code ec) mutable {
       if (ec) {
         c.fail(ec);
       } else {
         c.succeed();
       }
+      d->withdraw_ended();
     });
   });
   return std::move(t);
