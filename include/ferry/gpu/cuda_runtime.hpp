@@ -1,10 +1,16 @@
 #pragma once
 // The thin mapping of the GPU runtime calls ferry makes onto the CUDA runtime, for NVIDIA builds:
-// the same functions as hip_runtime (hip_runtime.hpp), so the copy backend is the same code. Built only
-// where the CUDA toolkit is found (Meson's `hip` feature, or bench/gpu_check.sh); link with -lcudart.
+// the same functions as hip_runtime (hip_runtime.hpp), so the copy backend and the layer gate are the
+// same code. Built only where the CUDA toolkit is found (Meson's `gpu` feature, or bench/gpu_check.sh);
+// link with -lcudart. The driver calls the layer gate needs (stream memory operations, loading its
+// kernel) are reached through cudaGetDriverEntryPointByVersion, so nothing links against libcuda: the
+// toolkit's headers suffice to build, and the driver installed on the GPU machine answers.
 
 #include <cstddef>
+#include <cstdint>
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 
 #include "ferry/gpu/copy_kind.hpp"
@@ -72,6 +78,130 @@ struct cuda_runtime {
     return ::cudaMemcpyAsync(dst, src, n, native(kind), s);
   }
 
+  /// The layer gate's kernel, loaded from PTX into the current device's primary context.
+  struct kernel_handle {
+    CUmodule module = nullptr;  ///< the module the PTX was loaded into
+    CUfunction function = nullptr;  ///< ferry_gate_wait in it
+  };
+  /// A captured graph.
+  using graph_handle = cudaGraph_t;
+  /// An instantiated graph.
+  using graph_exec_handle = cudaGraphExec_t;
+
+  /// The layer gate's kernel in PTX (ISA 6.3, sm_70 and later; the driver compiles it for the GPU
+  /// it runs on). One thread reads the epoch word once, then waits, sleeping 200 ns between looks,
+  /// until the gate word reaches it cyclically, with an acquire load at system scope (the host
+  /// writes the gate word).
+  static constexpr const char* gate_kernel_ptx = R"(.version 6.3
+.target sm_70
+.address_size 64
+
+.visible .entry ferry_gate_wait(.param .u64 gate, .param .u64 epoch)
+{
+  .reg .pred %p<2>;
+  .reg .b32 %r<4>;
+  .reg .b64 %rd<5>;
+  ld.param.u64 %rd1, [gate];
+  ld.param.u64 %rd2, [epoch];
+  cvta.to.global.u64 %rd3, %rd1;
+  cvta.to.global.u64 %rd4, %rd2;
+  ld.volatile.global.u32 %r1, [%rd4];
+WAIT:
+  ld.acquire.sys.global.u32 %r2, [%rd3];
+  sub.s32 %r3, %r2, %r1;
+  setp.ge.s32 %p1, %r3, 0;
+  @%p1 bra DONE;
+  nanosleep.u32 200;
+  bra.uni WAIT;
+DONE:
+  ret;
+}
+)";
+
+  /// Enqueues on `s` a wait until the word at `word` (device address) reaches `value`, cyclically
+  /// (cuStreamWaitValue32, CU_STREAM_WAIT_VALUE_GEQ).
+  static int stream_wait_value32(stream_handle s, void* word, std::uint32_t value) noexcept {
+    static const auto fn = driver<PFN_cuStreamWaitValue32_v11070>("cuStreamWaitValue32");
+    if (fn == nullptr) return cudaErrorNotSupported;
+    return fn(s, reinterpret_cast<CUdeviceptr>(word), value, CU_STREAM_WAIT_VALUE_GEQ);
+  }
+  /// Enqueues on `s` a write of `value` to the word at `word` (cuStreamWriteValue32).
+  static int stream_write_value32(stream_handle s, void* word, std::uint32_t value) noexcept {
+    static const auto fn = driver<PFN_cuStreamWriteValue32_v11070>("cuStreamWriteValue32");
+    if (fn == nullptr) return cudaErrorNotSupported;
+    return fn(s, reinterpret_cast<CUdeviceptr>(word), value, CU_STREAM_WRITE_VALUE_DEFAULT);
+  }
+
+  /// Loads the layer gate's kernel (gate_kernel_ptx) on the current device.
+  static int gate_kernel_load(kernel_handle& k) noexcept {
+    static const auto load = driver<PFN_cuModuleLoadData_v2000>("cuModuleLoadData");
+    static const auto get = driver<PFN_cuModuleGetFunction_v2000>("cuModuleGetFunction");
+    if (load == nullptr || get == nullptr) return cudaErrorNotSupported;
+    // The primary context must exist before a driver call uses it.
+    if (const cudaError_t e = ::cudaFree(nullptr); e != cudaSuccess) return e;
+    if (const CUresult e = load(&k.module, gate_kernel_ptx); e != CUDA_SUCCESS) return e;
+    if (const CUresult e = get(&k.function, k.module, "ferry_gate_wait"); e != CUDA_SUCCESS) {
+      gate_kernel_unload(k);
+      return e;
+    }
+    return cudaSuccess;
+  }
+  /// Unloads the layer gate's kernel.
+  static int gate_kernel_unload(kernel_handle& k) noexcept {
+    static const auto unload = driver<PFN_cuModuleUnload_v2000>("cuModuleUnload");
+    if (unload == nullptr || k.module == nullptr) return cudaSuccess;
+    const CUresult e = unload(k.module);
+    k = {};
+    return e;
+  }
+  /// Launches the layer gate's kernel (one thread) on `s`: it holds the stream until the word at
+  /// `word` reaches the epoch at `epoch`, read when it starts. Capturable into a graph.
+  static int launch_gate_wait(const kernel_handle& k, stream_handle s, const void* word,
+                              const void* epoch) noexcept {
+    static const auto launch = driver<PFN_cuLaunchKernel_v4000>("cuLaunchKernel");
+    if (launch == nullptr) return cudaErrorNotSupported;
+    CUdeviceptr w = reinterpret_cast<CUdeviceptr>(word);
+    CUdeviceptr e = reinterpret_cast<CUdeviceptr>(epoch);
+    void* args[] = {&w, &e};
+    return launch(k.function, 1, 1, 1, 1, 1, 1, 0, s, args, nullptr);
+  }
+
+  /// Starts capturing `s` into a graph (thread-local mode: other threads, such as the progress
+  /// executor querying events, go on).
+  static int stream_begin_capture(stream_handle s) noexcept {
+    return ::cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
+  }
+  /// Ends the capture on `s` into `g`.
+  static int stream_end_capture(stream_handle s, graph_handle& g) noexcept {
+    return ::cudaStreamEndCapture(s, &g);
+  }
+  /// Sets `capturing` to whether `s` is capturing.
+  static int stream_is_capturing(stream_handle s, bool& capturing) noexcept {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    const cudaError_t e = ::cudaStreamIsCapturing(s, &status);
+    capturing = status != cudaStreamCaptureStatusNone;
+    return e;
+  }
+  /// Instantiates graph `g` into `x`.
+  static int graph_instantiate(graph_exec_handle& x, graph_handle g) noexcept {
+    return ::cudaGraphInstantiate(&x, g, 0);
+  }
+  /// Launches graph `x` on `s`.
+  static int graph_launch(graph_exec_handle x, stream_handle s) noexcept { return ::cudaGraphLaunch(x, s); }
+  /// Destroys a graph.
+  static int graph_destroy(graph_handle g) noexcept { return ::cudaGraphDestroy(g); }
+  /// Destroys an instantiated graph.
+  static int graph_exec_destroy(graph_exec_handle x) noexcept { return ::cudaGraphExecDestroy(x); }
+
+  /// Allocates `n` bytes of pinned host memory the GPU reaches too (mapped, portable) into `*p`.
+  static int malloc_host_mapped(void** p, std::size_t n) noexcept {
+    return ::cudaHostAlloc(p, n, cudaHostAllocMapped | cudaHostAllocPortable);
+  }
+  /// Sets `*device` to the address the GPU reaches mapped host memory `host` by.
+  static int host_device_pointer(void** device, void* host) noexcept {
+    return ::cudaHostGetDevicePointer(device, host, 0);
+  }
+
   /// Allocates `n` bytes of device memory into `*p` (for tests and benchmarks).
   static int malloc_device(void** p, std::size_t n) noexcept { return ::cudaMalloc(p, n); }
   /// Frees device memory from malloc_device.
@@ -86,6 +216,22 @@ struct cuda_runtime {
   static int device_synchronize() noexcept { return ::cudaDeviceSynchronize(); }
 
  private:
+  // A driver function through the runtime (no link against libcuda); null where this driver has
+  // none. Driver and runtime error codes share their numbers for the calls made here.
+  template <class F>
+  static F driver(const char* symbol) noexcept {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    if (::cudaGetDriverEntryPointByVersion(symbol, &p, 12000, cudaEnableDefault, &found) != cudaSuccess) {
+      return nullptr;
+    }
+#else
+    if (::cudaGetDriverEntryPoint(symbol, &p, cudaEnableDefault, &found) != cudaSuccess) return nullptr;
+#endif
+    return found == cudaDriverEntryPointSuccess ? reinterpret_cast<F>(p) : nullptr;
+  }
+
   static cudaMemcpyKind native(copy_kind k) noexcept {
     switch (k) {
       case copy_kind::device_to_device: return cudaMemcpyDeviceToDevice;

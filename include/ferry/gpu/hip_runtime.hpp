@@ -12,6 +12,11 @@
 #define __HIP_PLATFORM_AMD__ 1
 #endif
 #include <hip/hip_runtime_api.h>
+#include <hip/hiprtc.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
 
 #include "ferry/gpu/copy_kind.hpp"
 
@@ -79,6 +84,123 @@ struct hip_runtime {
   static int memcpy_async(void* dst, const void* src, std::size_t n, copy_kind kind,
                           stream_handle s) noexcept {
     return ::hipMemcpyAsync(dst, src, n, native(kind), s);
+  }
+
+  /// The layer gate's kernel, compiled at run time (hiprtc) for the current device and loaded.
+  struct kernel_handle {
+    hipModule_t module = nullptr;  ///< the module it was loaded into
+    hipFunction_t function = nullptr;  ///< ferry_gate_wait in it
+  };
+  /// A captured graph.
+  using graph_handle = hipGraph_t;
+  /// An instantiated graph.
+  using graph_exec_handle = hipGraphExec_t;
+
+  /// The layer gate's kernel, as HIP source for hiprtc: one thread reads the epoch word once, then
+  /// waits, sleeping between looks, until the gate word reaches it cyclically.
+  static constexpr const char* gate_kernel_source = R"(
+extern "C" __global__ void ferry_gate_wait(const unsigned* gate, const unsigned* epoch) {
+  const unsigned e = __atomic_load_n(epoch, __ATOMIC_RELAXED);
+  while (static_cast<int>(__atomic_load_n(gate, __ATOMIC_ACQUIRE) - e) < 0) __builtin_amdgcn_s_sleep(2);
+}
+)";
+
+  /// Enqueues on `s` a wait until the word at `word` reaches `value` (hipStreamWaitValue32,
+  /// hipStreamWaitValueGte; HIP compares without wrapping).
+  static int stream_wait_value32(stream_handle s, void* word, std::uint32_t value) noexcept {
+    return ::hipStreamWaitValue32(s, word, value, hipStreamWaitValueGte, 0xffffffffu);
+  }
+  /// Enqueues on `s` a write of `value` to the word at `word` (hipStreamWriteValue32).
+  static int stream_write_value32(stream_handle s, void* word, std::uint32_t value) noexcept {
+    return ::hipStreamWriteValue32(s, word, value, 0);
+  }
+
+  /// Compiles the layer gate's kernel (hiprtc) for the current device and loads it.
+  static int gate_kernel_load(kernel_handle& k) noexcept {
+    try {
+      int device = 0;
+      if (const hipError_t e = ::hipGetDevice(&device); e != hipSuccess) return e;
+      hipDeviceProp_t prop{};
+      if (const hipError_t e = ::hipGetDeviceProperties(&prop, device); e != hipSuccess) return e;
+      hiprtcProgram program = nullptr;
+      if (::hiprtcCreateProgram(&program, gate_kernel_source, "ferry_gate.hip", 0, nullptr, nullptr) !=
+          HIPRTC_SUCCESS) {
+        return hipErrorInvalidImage;
+      }
+      const std::string arch = std::string("--gpu-architecture=") + prop.gcnArchName;
+      const char* options[] = {arch.c_str()};
+      std::vector<char> code;
+      std::size_t size = 0;
+      const bool compiled = ::hiprtcCompileProgram(program, 1, options) == HIPRTC_SUCCESS &&
+                            ::hiprtcGetCodeSize(program, &size) == HIPRTC_SUCCESS;
+      if (compiled) {
+        code.resize(size);
+        (void)::hiprtcGetCode(program, code.data());
+      }
+      (void)::hiprtcDestroyProgram(&program);
+      if (!compiled) return hipErrorInvalidImage;
+      if (const hipError_t e = ::hipModuleLoadData(&k.module, code.data()); e != hipSuccess) return e;
+      if (const hipError_t e = ::hipModuleGetFunction(&k.function, k.module, "ferry_gate_wait");
+          e != hipSuccess) {
+        gate_kernel_unload(k);
+        return e;
+      }
+      return hipSuccess;
+    } catch (...) {
+      return hipErrorOutOfMemory;
+    }
+  }
+  /// Unloads the layer gate's kernel.
+  static int gate_kernel_unload(kernel_handle& k) noexcept {
+    if (k.module == nullptr) return hipSuccess;
+    const hipError_t e = ::hipModuleUnload(k.module);
+    k = {};
+    return e;
+  }
+  /// Launches the layer gate's kernel (one thread) on `s`: it holds the stream until the word at
+  /// `word` reaches the epoch at `epoch`, read when it starts. Capturable into a graph.
+  static int launch_gate_wait(const kernel_handle& k, stream_handle s, const void* word,
+                              const void* epoch) noexcept {
+    const void* w = word;
+    const void* e = epoch;
+    void* args[] = {&w, &e};
+    return ::hipModuleLaunchKernel(k.function, 1, 1, 1, 1, 1, 1, 0, s, args, nullptr);
+  }
+
+  /// Starts capturing `s` into a graph (thread-local mode).
+  static int stream_begin_capture(stream_handle s) noexcept {
+    return ::hipStreamBeginCapture(s, hipStreamCaptureModeThreadLocal);
+  }
+  /// Ends the capture on `s` into `g`.
+  static int stream_end_capture(stream_handle s, graph_handle& g) noexcept {
+    return ::hipStreamEndCapture(s, &g);
+  }
+  /// Sets `capturing` to whether `s` is capturing.
+  static int stream_is_capturing(stream_handle s, bool& capturing) noexcept {
+    hipStreamCaptureStatus status = hipStreamCaptureStatusNone;
+    const hipError_t e = ::hipStreamIsCapturing(s, &status);
+    capturing = status != hipStreamCaptureStatusNone;
+    return e;
+  }
+  /// Instantiates graph `g` into `x`.
+  static int graph_instantiate(graph_exec_handle& x, graph_handle g) noexcept {
+    return ::hipGraphInstantiate(&x, g, nullptr, nullptr, 0);
+  }
+  /// Launches graph `x` on `s`.
+  static int graph_launch(graph_exec_handle x, stream_handle s) noexcept { return ::hipGraphLaunch(x, s); }
+  /// Destroys a graph.
+  static int graph_destroy(graph_handle g) noexcept { return ::hipGraphDestroy(g); }
+  /// Destroys an instantiated graph.
+  static int graph_exec_destroy(graph_exec_handle x) noexcept { return ::hipGraphExecDestroy(x); }
+
+  /// Allocates `n` bytes of pinned host memory the GPU reaches too (mapped, portable, coherent)
+  /// into `*p`.
+  static int malloc_host_mapped(void** p, std::size_t n) noexcept {
+    return ::hipHostMalloc(p, n, hipHostMallocMapped | hipHostMallocPortable | hipHostMallocCoherent);
+  }
+  /// Sets `*device` to the address the GPU reaches mapped host memory `host` by.
+  static int host_device_pointer(void** device, void* host) noexcept {
+    return ::hipHostGetDevicePointer(device, host, 0);
   }
 
   /// Allocates `n` bytes of device memory into `*p`.
