@@ -5,7 +5,12 @@
 // - completion → resume: how long after the copy's work is done its waiter runs. A probe event is
 //   recorded right behind the copy on the same stream and a thread spinning on it (started once,
 //   before any copy) notes when it turns ready; the waiter notes when it wakes. ferry's waiter blocks in transfer::wait(); the baseline's
-//   blocks in the runtime's event synchronize.
+//   blocks in the runtime's event synchronize;
+// - the layer gate's wake-up: a stream waits on a layer (eagerly, and in a captured graph); the host
+//   ends the layer's load; the stream, once past the wait, writes a flag in mapped host memory that
+//   a thread spins on. Beside it, the same stream wait released by a raw host store (no ferry), and
+//   the host-mediated way without a gate: a thread blocked in transfer::wait() enqueues the flag
+//   write once the load ends. CPU time per release is the releasing thread's own.
 // Without a GPU it says so and exits 77.
 //
 // Usage: ferry_gpu_bench [--quick]
@@ -25,7 +30,15 @@
 #include <ferry/ferry.hpp>
 #include <ferry/gpu.hpp>
 
+#include <ctime>
+
 namespace {
+
+double thread_cpu_us() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e6 + static_cast<double>(ts.tv_nsec) / 1e3;
+}
 
 namespace fh = ferry::gpu;
 using rt = fh::gpu_runtime;
@@ -161,6 +174,94 @@ int main(int argc, char** argv) {
         (side == 0 ? ferry_us : sync_us).push_back(static_cast<double>(woke - seen_at.load()) / 1e3);
       }
     }
+    // The layer gate's wake-up.
+    const int gate_samples = quick ? 200 : 1000;
+    void* flag_host = nullptr;
+    void* flag_dev = nullptr;
+    void* raw_host = nullptr;
+    void* raw_dev = nullptr;
+    require(rt::malloc_host_mapped(&flag_host, 64), "malloc_host_mapped");
+    require(rt::host_device_pointer(&flag_dev, flag_host), "host_device_pointer");
+    require(rt::malloc_host_mapped(&raw_host, 64), "malloc_host_mapped");
+    require(rt::host_device_pointer(&raw_dev, raw_host), "host_device_pointer");
+    auto word = [](void* p) { return std::atomic_ref<std::uint32_t>(*static_cast<std::uint32_t*>(p)); };
+    word(flag_host).store(0);
+    word(raw_host).store(0);
+    typename rt::stream_handle gs{};
+    require(rt::stream_create(gs), "stream_create");
+    struct gate_row {
+      const char* what;
+      std::vector<double> us;
+      std::vector<double> cpu_us;
+    };
+    std::vector<gate_row> gate_rows = {{"layer gate, eager stream wait", {}, {}},
+                                       {"layer gate, kernel wait in a captured graph", {}, {}},
+                                       {"raw stream wait released by a host store (no ferry)", {}, {}},
+                                       {"host-mediated: transfer::wait(), then enqueue", {}, {}}};
+    {
+      fh::layer_gate_options go;
+      go.layers = 1;
+      fh::layer_gate gate(go);
+      // The graph: the gate's wait, then the flag write.
+      require(rt::stream_begin_capture(gs), "stream_begin_capture");
+      gate.enqueue_graph_wait(gs, 0);
+      require(rt::stream_write_value32(gs, flag_dev, 1), "stream_write_value32 (captured)");
+      typename rt::graph_handle graph{};
+      require(rt::stream_end_capture(gs, graph), "stream_end_capture");
+      typename rt::graph_exec_handle forward{};
+      require(rt::graph_instantiate(forward, graph), "graph_instantiate");
+      std::uint32_t raw_value = 0;
+      for (int i = 1; i <= gate_samples; ++i) {
+        for (gate_row& row : gate_rows) {
+          const std::size_t mode = static_cast<std::size_t>(&row - gate_rows.data());
+          const std::uint32_t want = mode == 1 ? 1u : static_cast<std::uint32_t>(i);
+          word(flag_host).store(0);
+          auto [t, c] = ferry::make_manual_transfer();
+          std::thread host_side;
+          if (mode <= 1) {
+            const std::uint32_t e = gate.begin_step(std::chrono::seconds(30));
+            gate.arm(e, 0, std::span<const ferry::transfer>(&t, 1));
+            gate.seal(e);
+            if (mode == 0) {
+              gate.enqueue_wait(gs, 0, e);
+              require(rt::stream_write_value32(gs, flag_dev, want), "stream_write_value32");
+            } else {
+              gate.enqueue_epoch(gs, e);
+              require(rt::graph_launch(forward, gs), "graph_launch");
+            }
+          } else if (mode == 2) {
+            require(rt::stream_wait_value32(gs, raw_dev, ++raw_value), "stream_wait_value32");
+            require(rt::stream_write_value32(gs, flag_dev, want), "stream_write_value32");
+          } else {
+            host_side = std::thread([&, tt = t] {
+              (void)tt.wait();
+              require(rt::stream_write_value32(gs, flag_dev, want), "stream_write_value32");
+            });
+          }
+          std::this_thread::sleep_for(std::chrono::microseconds(300));  // the stream is waiting now
+          const double cpu0 = thread_cpu_us();
+          const auto t0 = bench_clock::now();
+          if (mode == 2) {
+            word(raw_host).store(raw_value, std::memory_order_release);
+          } else {
+            c.succeed();
+          }
+          const double cpu1 = thread_cpu_us();
+          while (word(flag_host).load(std::memory_order_acquire) != want) {
+          }
+          const auto t1 = bench_clock::now();
+          if (host_side.joinable()) host_side.join();
+          require(rt::stream_synchronize(gs), "stream_synchronize");
+          row.us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+          row.cpu_us.push_back(cpu1 - cpu0);
+        }
+      }
+      rt::graph_exec_destroy(forward);
+      rt::graph_destroy(graph);
+    }
+    rt::stream_destroy(gs);
+    rt::free_host(flag_host);
+    rt::free_host(raw_host);
     rt::event_destroy(probe);
     rt::event_destroy(done);
     rt::free_device(a);
@@ -179,6 +280,11 @@ int main(int argc, char** argv) {
     std::printf("\n| completion → resume (%s copy) | p50 | p99 |\n|---|---|---|\n", size_name(lat_bytes).c_str());
     std::printf("| ferry: transfer::wait() | %.1f us | %.1f us |\n", f50, percentile(ferry_us, 0.99));
     std::printf("| runtime event synchronize | %.1f us | %.1f us |\n", s50, percentile(sync_us, 0.99));
+    std::printf("\n| layer released → stream past its wait | p50 | p99 | CPU per release |\n|---|---|---|---|\n");
+    for (const gate_row& row : gate_rows) {
+      std::printf("| %s | %.1f us | %.1f us | %.2f us |\n", row.what, median(row.us), percentile(row.us, 0.99),
+                  median(row.cpu_us));
+    }
     std::printf("\n| target | measured | |\n|---|---|---|\n");
     std::printf("| bandwidth >= 95%% of raw at >= 1 MiB | see the ratios above | %s |\n",
                 bandwidth_met ? "met" : "MISSED");

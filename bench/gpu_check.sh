@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Builds and runs ferry's GPU checks on this machine in one go: the GPU tests (tests/gpu/gpu_hardware_test.cpp:
-# every copy kind byte-exact, 1000 copies in flight, a when_all over a layer, an invalid pointer) and
-# the GPU benchmark (bench/gpu_bench.cpp: device-to-device bandwidth against the raw runtime, and
-# completion → resume against a blocking event synchronize), then prints a short table last.
+# every copy kind byte-exact, 1000 copies in flight, a when_all over a layer, an invalid pointer, the
+# layer gate with eager waits and inside a captured graph replayed 1000 times with failures and
+# timeouts injected) and the GPU benchmark (bench/gpu_bench.cpp: device-to-device bandwidth against
+# the raw runtime, completion → resume against a blocking event synchronize, and the layer gate's
+# wake-up against a raw stream wait and a host-mediated wait), then prints a short table last.
+# Without a GPU it builds both, says that nothing ran, and exits non-zero.
 #
 # Planned for an NVIDIA H200 with CUDA 13 and no network: it needs only a C++20 compiler (g++ 11+ or
 # clang++ 14+) and the CUDA toolkit's headers and libcudart (or, on AMD, the HIP runtime). No Meson,
@@ -49,7 +52,9 @@ if [[ -f "$CUDA_HOME/include/cuda_runtime_api.h" ]]; then
   flags=(-DFERRY_GPU_CUDA -I"$CUDA_HOME/include" -L"$libdir" -Wl,-rpath,"$libdir" -lcudart)
 elif [[ -f /usr/include/hip/hip_runtime_api.h || -f /opt/rocm/include/hip/hip_runtime_api.h ]]; then
   runtime="HIP"
-  flags=(-I/opt/rocm/include -L/opt/rocm/lib -Wl,-rpath,/opt/rocm/lib -lamdhip64)
+  flags=(-D__HIP_PLATFORM_AMD__ -I/opt/rocm/include -L/opt/rocm/lib -Wl,-rpath,/opt/rocm/lib -lamdhip64)
+  # hiprtc (the layer gate's kernel is compiled at run time) is its own library from ROCm 5.3 on.
+  if [[ -e /opt/rocm/lib/libhiprtc.so || -e /usr/lib/x86_64-linux-gnu/libhiprtc.so ]]; then flags+=(-lhiprtc); fi
 else
   echo "neither the CUDA toolkit (cuda_runtime_api.h under $CUDA_HOME) nor the HIP runtime was found" >&2
   exit 1
@@ -89,4 +94,11 @@ echo "| GPU tests | $(verdict "$test_rc") |"
 echo "| GPU benchmark | $(verdict "$bench_rc") |"
 echo "| bandwidth >= 95% of raw at >= 1 MiB | $(target 'bandwidth >= 95%') |"
 echo "| completion noticed within 10 us | $(target 'completion noticed') |"
+if [[ "$test_rc" == 77 && "$bench_rc" == 77 ]]; then
+  echo
+  echo "No GPU was found: both programs built, and nothing ran on a GPU." >&2
+  exit 3
+fi
+echo
+grep -F -A5 'layer released' "$out/bench.log" || echo "(the layer gate's wake-up was not measured)"
 [[ "$test_rc" == 0 && "$bench_rc" == 0 ]]

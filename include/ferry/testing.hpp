@@ -6,6 +6,7 @@
 
 #include "ferry/detail/config.hpp"
 #include "ferry/testing/errors.hpp"
+#include "ferry/testing/fake_dmabuf.hpp"
 #include "ferry/testing/fake_gpu.hpp"
 #include "ferry/testing/fault_injector.hpp"
 #include "ferry/testing/faulty_loopback.hpp"

@@ -1,7 +1,9 @@
 // The GPU copy backend on a real GPU, through the runtime this build targets (HIP, or CUDA with
 // FERRY_GPU_CUDA): byte-exact copies of every kind, 1000 copies in flight across streams, a when_all
-// over a layer's copies, and a copy from an invalid pointer failing with a clear error. Where no GPU
-// is present it exits 77, which meson test reports as skipped, and says why.
+// over a layer's copies, a copy from an invalid pointer failing with a clear error, and the layer gate:
+// eager stream waits, and a captured graph replayed 1000 times whose layers load through the copy
+// engine, with failures and timeouts injected. Where no GPU is present it exits 77, which meson test
+// reports as skipped, and says why.
 
 #include <chrono>
 #include <cstddef>
@@ -9,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <random>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -127,6 +130,112 @@ int main() {
     std::printf("      invalid pointer: %s\n", bad.error().message().c_str());
     check(failed && bad.error().category() == fh::runtime_category<rt>(),
           "a copy from an invalid pointer fails with the runtime's error");
+
+    // The layer gate, eager: each layer's wait, then the layer's "kernel" (a copy of its block).
+    constexpr std::size_t layers = 4;
+    device_buffer blocks(layers * block), outs(layers * block);
+    rt::stream_handle compute{};
+    require(rt::stream_create(compute), "stream_create");
+    fh::layer_gate_options go;
+    go.layers = layers;
+    go.history = 8;
+    {
+      fh::layer_gate gate(go);
+      bool eager_ok = true;
+      for (int step = 0; step < 100 && eager_ok; ++step) {
+        const std::uint32_t e = gate.begin_step(30s);
+        std::vector<ferry::transfer> loads;
+        for (std::size_t l = 0; l < layers; ++l) {
+          loads.push_back(engine.copy(static_cast<std::byte*>(blocks.ptr) + l * block,
+                                      src.data() + ((static_cast<std::size_t>(step) + l) % 64) * block, block,
+                                      fh::copy_kind::host_to_device));
+          gate.arm(e, l, std::span<const ferry::transfer>(&loads.back(), 1));
+          gate.enqueue_wait(compute, l, e);
+          require(rt::memcpy_async(static_cast<std::byte*>(outs.ptr) + l * block,
+                                   static_cast<std::byte*>(blocks.ptr) + l * block, block,
+                                   fh::copy_kind::device_to_device, compute),
+                  "memcpy_async");
+        }
+        gate.seal(e);
+        require(rt::stream_synchronize(compute), "stream_synchronize");
+        std::vector<std::byte> got(layers * block);
+        eager_ok = ok(engine.copy(got.data(), outs.ptr, got.size(), fh::copy_kind::device_to_host));
+        for (std::size_t l = 0; l < layers && eager_ok; ++l) {
+          eager_ok = gate.verdict(e, l).state == fh::layer_state::success &&
+                     std::memcmp(got.data() + l * block,
+                                 src.data() + ((static_cast<std::size_t>(step) + l) % 64) * block, block) == 0;
+        }
+      }
+      check(eager_ok, "layer gate, eager stream waits: 100 steps, each layer computed on its own loaded bytes");
+
+      // The layer gate inside a captured graph, replayed 1000 times; failures and timeouts injected.
+      require(rt::stream_begin_capture(compute), "stream_begin_capture");
+      for (std::size_t l = 0; l < layers; ++l) {
+        gate.enqueue_graph_wait(compute, l);
+        require(rt::memcpy_async(static_cast<std::byte*>(outs.ptr) + l * block,
+                                 static_cast<std::byte*>(blocks.ptr) + l * block, block,
+                                 fh::copy_kind::device_to_device, compute),
+                "memcpy_async (captured)");
+      }
+      rt::graph_handle graph{};
+      require(rt::stream_end_capture(compute, graph), "stream_end_capture");
+      rt::graph_exec_handle forward{};
+      require(rt::graph_instantiate(forward, graph), "graph_instantiate");
+      std::mt19937 rng(5);
+      int wrong = 0;
+      int failed_seen = 0;
+      int timed_out_seen = 0;
+      const auto replay_start = std::chrono::steady_clock::now();
+      for (int step = 0; step < 1000; ++step) {
+        const bool slow = step % 100 == 99;
+        const std::uint32_t e = gate.begin_step(slow ? 5ms : 30s);
+        const std::size_t failing = step % 7 == 3 && !slow ? rng() % layers : layers;
+        const std::size_t hanging = slow ? rng() % layers : layers;
+        std::vector<ferry::transfer> loads;
+        std::vector<ferry::completer> injected;
+        gate.enqueue_epoch(compute, e);
+        require(rt::graph_launch(forward, compute), "graph_launch");
+        for (std::size_t l = 0; l < layers; ++l) {
+          if (l == failing || l == hanging) {
+            auto [t, c] = ferry::make_manual_transfer();
+            loads.push_back(std::move(t));
+            injected.push_back(std::move(c));
+          } else {
+            loads.push_back(engine.copy(static_cast<std::byte*>(blocks.ptr) + l * block,
+                                        src.data() + ((static_cast<std::size_t>(step) + l) % 64) * block,
+                                        block, fh::copy_kind::host_to_device));
+          }
+          gate.arm(e, l, std::span<const ferry::transfer>(&loads.back(), 1));
+        }
+        gate.seal(e);
+        if (failing < layers) injected.front().fail(std::make_error_code(std::errc::io_error));
+        require(rt::stream_synchronize(compute), "stream_synchronize (replay)");
+        std::vector<std::byte> got(layers * block);
+        if (!ok(engine.copy(got.data(), outs.ptr, got.size(), fh::copy_kind::device_to_host))) ++wrong;
+        for (std::size_t l = 0; l < layers; ++l) {
+          const fh::layer_verdict v = gate.verdict(e, l);
+          if (l == failing) {
+            failed_seen += v.state == fh::layer_state::failed;
+          } else if (l == hanging) {
+            timed_out_seen += v.state == fh::layer_state::timed_out;
+          } else if (v.state != fh::layer_state::success ||
+                     std::memcmp(got.data() + l * block,
+                                 src.data() + ((static_cast<std::size_t>(step) + l) % 64) * block, block) != 0) {
+            ++wrong;
+          }
+        }
+      }
+      const double replay_s =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - replay_start).count();
+      std::printf("      1000 replays in %.2f s; %d failed and %d timed-out layers released\n", replay_s,
+                  failed_seen, timed_out_seen);
+      check(wrong == 0 && timed_out_seen == 10 && failed_seen > 100,
+            "layer gate in a captured graph: 1000 replays, every loaded layer computed on its own bytes, "
+            "failed and timed-out layers released");
+      (void)rt::graph_exec_destroy(forward);
+      (void)rt::graph_destroy(graph);
+    }
+    (void)rt::stream_destroy(compute);
   } catch (const std::exception& ex) {
     std::printf("FAIL: %s\n", ex.what());
     return 1;

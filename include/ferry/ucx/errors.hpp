@@ -25,6 +25,7 @@ enum class errc : int {
   not_executor_safe,      ///< a blocking call made on the executor's own thread
   peer_unresponsive,      ///< the peer left a liveness ping unanswered (a stopped or hung process)
   notification_refused,   ///< the receiver already held max_unclaimed_notifications of ours
+  memory_type_unsupported,  ///< registering memory of a type (GPU memory) this UCX was built without
 };
 
 /// The message for `e` (what error_code::message() says); nullptr for a value that is no errc.
@@ -55,6 +56,9 @@ enum class errc : int {
     case errc::notification_refused:
       return "the receiver refused the notification: it already held "
              "worker_options::max_unclaimed_notifications from this sender that nobody had taken";
+    case errc::memory_type_unsupported:
+      return "memory of this type (GPU memory) cannot be registered: the UCX in use was built "
+             "without support for it, and ferry does not stage device memory through host memory";
   }
   return nullptr;
 }

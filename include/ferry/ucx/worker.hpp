@@ -481,6 +481,18 @@ class worker {
     return memory_region(detail::map_region(engine_->context(), memory.data(), memory.size(), false));
   }
 
+  /// Registers `length` bytes at `address` of memory of `type`: a GPU's (cudaMalloc, hipMalloc) or
+  /// the host's. The memory must outlive the region. GPU memory needs a UCX built with support for
+  /// it (--with-cuda, --with-rocm); the context is asked which types it supports before anything is
+  /// mapped. Throws std::system_error with errc::memory_type_unsupported, naming the type, the byte
+  /// count, what this UCX supports and how to get one that does, when it cannot: ferry never stages
+  /// device memory through host memory behind the caller's back. Throws std::invalid_argument for
+  /// zero bytes, and std::system_error with UCX's status when ucp_mem_map refuses the memory.
+  [[nodiscard]] memory_region register_memory(void* address, std::size_t length,
+                                              memory_type type) {
+    return memory_region(detail::map_region(engine_->context(), address, length, false, type));
+  }
+
   /// Memory UCX allocates: over shared memory a peer reaches it directly, without emulation.
   [[nodiscard]] memory_region allocate(std::size_t bytes) {
     return memory_region(detail::map_region(engine_->context(), nullptr, bytes, true));

@@ -337,6 +337,37 @@ class basic_device : detail::qp_setup<P>,
       throw std::system_error(err, std::system_category(),
                               "ferry::verbs: ibv_reg_mr(" + std::to_string(bytes) + " bytes)");
     }
+    return adopt_state(r, data, bytes, owned);
+  }
+
+  // Device memory behind the dma-buf `fd`, addressed (locally and by peers) from `iova` on.
+  region_state* register_dmabuf_state(int fd, std::uint64_t offset, std::size_t bytes,
+                                      std::uint64_t iova, int access) {
+    const auto what = [&] {
+      char address[2 + 16 + 1];
+      std::snprintf(address, sizeof address, "0x%llx", static_cast<unsigned long long>(iova));
+      return "ferry::verbs: ibv_reg_dmabuf_mr(fd " + std::to_string(fd) + ", offset " +
+             std::to_string(offset) + ", " + std::to_string(bytes) + " bytes, iova " + address +
+             ")";
+    };
+    // Refused here rather than left to the driver, which may or may not check it.
+    if (bytes == 0) {
+      throw std::system_error(EINVAL, std::system_category(),
+                              what() + ": a region needs at least one byte");
+    }
+    auto* r = new region_state;
+    r->mr = P::reg_dmabuf_mr(pd_, offset, bytes, iova, fd, access);
+    if (!r->mr) {
+      const int err = errno;
+      delete r;
+      throw std::system_error(err, std::system_category(), what());
+    }
+    r->dmabuf = true;
+    return adopt_state(r, reinterpret_cast<std::byte*>(static_cast<std::uintptr_t>(iova)), bytes,
+                       false);
+  }
+
+  region_state* adopt_state(region_state* r, std::byte* data, std::size_t bytes, bool owned) noexcept {
     r->data = data;
     r->size = bytes;
     r->lkey = P::lkey(r->mr);

@@ -42,6 +42,7 @@ struct region_state {
   std::uint32_t lkey = 0;
   std::uint32_t rkey = 0;
   bool owned = false;
+  bool dmabuf = false;  // registered through a dma-buf: `data` is a device address
   basic_device<P>* device = nullptr;
 
   void add_ref() noexcept { refs.fetch_add(1, std::memory_order_relaxed); }
@@ -128,6 +129,29 @@ class basic_memory_region {
     return basic_memory_region(device.register_state(memory.data(), memory.size(), access, false));
   }
 
+  /// Registers `length` bytes of device memory (a GPU's) through the dma-buf `fd`, from `offset`
+  /// into the dma-buf on, with ibv_reg_dmabuf_mr. `device_address` is the address the region is
+  /// known by: data(), slices and remote() start there, so peers address the memory by it and local
+  /// slices post it. Usually the device pointer the dma-buf was exported for (ferry/gpu/dmabuf.hpp's
+  /// export_cuda_dmabuf and export_hip_dmabuf give the fd, offset and length;
+  /// ferry::testing::fake_dmabuf stands in for them in tests).
+  ///
+  /// The region does not own `fd`: the caller keeps it open while this call runs and may close it
+  /// once it has returned, since the registration holds its own reference to the dma-buf in the
+  /// kernel. The device memory must stay allocated while the region and any request using it live.
+  /// data() is a device address, not host memory: do not read it on the CPU.
+  /// Throws std::system_error naming ibv_reg_dmabuf_mr with the errno: EBADF for a descriptor that
+  /// is no dma-buf, EINVAL for zero bytes or a range past the dma-buf's size (and whatever else the
+  /// adapter's driver refuses; EOPNOTSUPP where it cannot register dma-bufs).
+  [[nodiscard]] static basic_memory_region register_dmabuf(basic_device<P>& device, int fd,
+                                                           std::uint64_t offset,
+                                                           std::size_t length,
+                                                           std::uint64_t device_address,
+                                                           int access = default_region_access) {
+    return basic_memory_region(
+        device.register_dmabuf_state(fd, offset, length, device_address, access));
+  }
+
   /// Takes `other`'s region, leaving `other` empty.
   basic_memory_region(basic_memory_region&& other) noexcept
       : state_(std::exchange(other.state_, nullptr)) {}
@@ -149,6 +173,9 @@ class basic_memory_region {
   [[nodiscard]] std::size_t size() const noexcept { return state_->size; }
   /// The region as a span.
   [[nodiscard]] std::span<std::byte> bytes() const noexcept { return {state_->data, state_->size}; }
+  /// True for a region registered through a dma-buf (register_dmabuf): data() is then a device
+  /// address, which the adapter reaches and the CPU may not.
+  [[nodiscard]] bool is_dmabuf() const noexcept { return state_->dmabuf; }
   /// The region's local key.
   [[nodiscard]] std::uint32_t lkey() const noexcept { return state_->lkey; }
   /// The region's remote key, which a peer needs to read or write it (see remote()).

@@ -109,6 +109,14 @@ struct real_provider {
     // ibv_reg_mr is a macro that passes the flags on as unsigned int.
     return ::ibv_reg_mr(pd, addr, length, static_cast<unsigned>(access));
   }
+  /// Registers `length` bytes of the dma-buf `fd` from `offset` on (ibv_reg_dmabuf_mr, rdma-core
+  /// 34 and later), addressed by work requests from `iova` on; null with errno set on failure. The
+  /// region holds its own reference to the dma-buf: the caller may close `fd` once it returns.
+  [[nodiscard]] static mr_handle reg_dmabuf_mr(pd_handle pd, std::uint64_t offset,
+                                               std::size_t length, std::uint64_t iova, int fd,
+                                               int access) noexcept {
+    return ::ibv_reg_dmabuf_mr(pd, offset, length, iova, fd, access);
+  }
   /// Deregisters a region (ibv_dereg_mr); 0 or an errno value.
   static int dereg_mr(mr_handle mr) noexcept { return ::ibv_dereg_mr(mr); }
   /// The region's local key, for scatter/gather entries.

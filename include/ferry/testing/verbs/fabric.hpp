@@ -11,15 +11,18 @@
 // must belong to the queue pair's protection domain and cover the scatter/gather entry; the rkey's
 // region and the responder queue pair must both grant the remote right, or the requester gets
 // IBV_WC_REM_ACCESS_ERR and both queue pairs go to the error state (the responder with an
-// IBV_EVENT_QP_ACCESS_ERR). A SEND with no receive posted waits for one (rnr_retry 7). A queue pair in
-// the error state flushes what it has not executed, unsignalled requests included. Queue pair
-// transitions demand exactly the kernel's required and allowed attribute masks. A send request, and a
-// receive, stays outstanding until the poller polls its completion or, for sends, a later one of the
-// same queue pair: the depth a queue pair was granted is a real limit. A completion queue has the
-// capacity asked for and goes into error when it would overrun. Arming a completion queue fires one
-// event, for the next completion only. Destroying an object that another live object uses fails with
-// EBUSY (dealloc_pd and close_device cannot report it, so they set errno and leave the object live,
-// which fabric::live_objects() shows).
+// IBV_EVENT_QP_ACCESS_ERR). A region registered through a dma-buf (reg_dmabuf_mr, given a
+// ferry::testing::fake_dmabuf's descriptor) reaches the memory behind it and is addressed by the
+// iova its owner chose, which need not be where its bytes are. A SEND with no receive posted waits
+// for one (rnr_retry 7). A queue pair in the error state flushes what it has not executed,
+// unsignalled requests included. Queue pair transitions demand exactly the kernel's required and
+// allowed attribute masks. A send request, and a receive, stays outstanding until the poller polls
+// its completion or, for sends, a later one of the same queue pair: the depth a queue pair was
+// granted is a real limit. A completion queue has the capacity asked for and goes into error when it
+// would overrun. Arming a completion queue fires one event, for the next completion only.
+// Destroying an object that another live object uses fails with EBUSY (dealloc_pd and close_device
+// cannot report it, so they set errno and leave the object live, which fabric::live_objects()
+// shows).
 //
 // What it does not. Timeouts: what hardware reports once its retries run out (the peer queue pair is
 // gone, or not in RTR or RTS) is reported at once as IBV_WC_RETRY_EXC_ERR; towards a downed port or a

@@ -121,11 +121,11 @@ class nic : protected fabric_state {
       return true;
     }
     if (reads) {
-      scatter({to_pointer(w.remote_addr), w.length}, w.sges);
+      scatter({remote_pointer(w), w.length}, w.sges);
     } else {
       if (w.opcode == IBV_WR_RDMA_WRITE_WITH_IMM && r->rq_.empty()) return false;
       const std::span<const std::byte> data = payload(w, staging);
-      copy(to_pointer(w.remote_addr), data.data(), data.size());
+      copy(remote_pointer(w), data.data(), data.size());
       if (w.opcode == IBV_WR_RDMA_WRITE_WITH_IMM) deliver(q, *r, w, staging);
     }
     retire(q, IBV_WC_SUCCESS);
@@ -223,7 +223,27 @@ class nic : protected fabric_state {
   }
 
   static bool covers(const mr& m, std::uint64_t address, std::uint64_t length) {
-    return address >= m.base_ && length <= m.length_ && address - m.base_ <= m.length_ - length;
+    return address >= m.iova_ && length <= m.length_ && address - m.iova_ <= m.length_ - length;
+  }
+
+  // Where `address`, inside region `m`, is in this process: a region registered through a dma-buf
+  // is addressed by the iova its owner chose, not by where its bytes are.
+  static std::byte* host_pointer(const mr& m, std::uint64_t address) {
+    return to_pointer(m.base_ + static_cast<std::uintptr_t>(address - m.iova_));
+  }
+
+  // The local bytes of entry `s`, whose key local_access has checked.
+  std::byte* local_pointer(const ibv_sge& s) const {
+    const auto it = by_lkey_.find(s.lkey);
+    return it == by_lkey_.end() ? to_pointer(s.addr) : host_pointer(*it->second, s.addr);
+  }
+
+  // The responder's bytes that `w` names, checked by remote_access (a zero-length request names
+  // none, and may carry any key).
+  std::byte* remote_pointer(const send_request& w) const {
+    const auto it = by_rkey_.find(w.rkey);
+    if (w.length == 0 || it == by_rkey_.end()) return to_pointer(w.remote_addr);
+    return host_pointer(*it->second, w.remote_addr);
   }
 
   bool local_access(const pd& p, const std::vector<ibv_sge>& sges, bool write) const {
@@ -248,23 +268,23 @@ class nic : protected fabric_state {
   }
 
   // The request's data in one piece: the inline copy, the only entry, or the entries gathered.
-  static std::span<const std::byte> payload(const send_request& w, std::vector<std::byte>& staging) {
+  std::span<const std::byte> payload(const send_request& w, std::vector<std::byte>& staging) const {
     if ((w.flags & IBV_SEND_INLINE) != 0) return w.inline_data;
-    if (w.sges.size() == 1) return {to_pointer(w.sges[0].addr), w.length};
+    if (w.sges.size() == 1) return {local_pointer(w.sges[0]), w.length};
     staging.resize(w.length);
     std::size_t at = 0;
     for (const ibv_sge& s : w.sges) {
-      copy(staging.data() + at, to_pointer(s.addr), s.length);
+      copy(staging.data() + at, local_pointer(s), s.length);
       at += s.length;
     }
     return staging;
   }
 
-  static void scatter(std::span<const std::byte> data, const std::vector<ibv_sge>& sges) {
+  void scatter(std::span<const std::byte> data, const std::vector<ibv_sge>& sges) const {
     std::size_t at = 0;
     for (const ibv_sge& s : sges) {
       const std::size_t n = std::min<std::size_t>(s.length, data.size() - at);
-      copy(to_pointer(s.addr), data.data() + at, n);
+      copy(local_pointer(s), data.data() + at, n);
       at += n;
     }
   }

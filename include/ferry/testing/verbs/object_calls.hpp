@@ -24,6 +24,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include "ferry/testing/fake_dmabuf.hpp"
 #include "ferry/testing/verbs/nic.hpp"
 #include "ferry/testing/verbs/objects.hpp"
 
@@ -160,22 +161,54 @@ class object_calls : protected nic {
     discard(pds_, p);
   }
 
+  // As the kernel refuses them: remote write or atomic rights without local write.
+  static bool remote_needs_local(int access) {
+    return (access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) != 0 &&
+           (access & IBV_ACCESS_LOCAL_WRITE) == 0;
+  }
+
   mr* reg_mr(pd* p, void* addr, std::size_t length, int access) {
     std::lock_guard lock(mutex_);
-    const bool remote_needs_local =
-        (access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) != 0 &&
-        (access & IBV_ACCESS_LOCAL_WRITE) == 0;
-    if (addr == nullptr || length == 0 || remote_needs_local) {
+    if (addr == nullptr || length == 0 || remote_needs_local(access)) {
       errno = EINVAL;
       return nullptr;
     }
+    const auto base = reinterpret_cast<std::uintptr_t>(addr);
+    return make_mr(p, base, base, length, access);
+  }
+
+  // The memory behind the fake dma-buf `fd` (ferry/testing/fake_dmabuf.hpp), from `offset` on, as
+  // the kernel's ib_umem_dmabuf_get checks it: a descriptor that is no dma-buf's fails with EBADF,
+  // a range past the dma-buf's size with EINVAL. Work requests address it from `iova` on.
+  mr* reg_dmabuf_mr(pd* p, std::uint64_t offset, std::size_t length, std::uint64_t iova, int fd,
+                    int access) {
+    // The registry has its own lock, never held while it calls out: looked up before ours.
+    const auto exported = ferry::testing::fake_dmabuf::lookup(fd);
+    std::lock_guard lock(mutex_);
+    if (!exported) {
+      errno = EBADF;
+      return nullptr;
+    }
+    if (length == 0 || offset > exported->length || length > exported->length - offset ||
+        iova > UINT64_MAX - length || remote_needs_local(access)) {
+      errno = EINVAL;
+      return nullptr;
+    }
+    const auto base = reinterpret_cast<std::uintptr_t>(exported->base) +
+                      static_cast<std::uintptr_t>(offset);
+    return make_mr(p, base, iova, length, access);
+  }
+
+  // Under the fabric's mutex.
+  mr* make_mr(pd* p, std::uintptr_t base, std::uint64_t iova, std::size_t length, int access) {
     if (dead(*p->context_)) {
       errno = EIO;
       return nullptr;
     }
     auto m = std::make_unique<mr>();
     m->pd_ = p;
-    m->base_ = reinterpret_cast<std::uintptr_t>(addr);
+    m->base_ = base;
+    m->iova_ = iova;
     m->length_ = length;
     m->access_ = access;
     m->lkey_ = next_key();

@@ -70,6 +70,9 @@ class pd {
 };
 
 /// A registered memory region of the fake fabric: its range, access and keys.
+///
+/// Work requests address it from `iova_` on; its bytes are at `base_` in this process. The two are
+/// the same for reg_mr, and may differ for reg_dmabuf_mr, whose caller picks the address.
 class mr {
   friend class fabric;
   friend class fabric_state;
@@ -79,6 +82,7 @@ class mr {
   friend struct provider;
   pd* pd_ = nullptr;
   std::uintptr_t base_ = 0;
+  std::uint64_t iova_ = 0;
   std::size_t length_ = 0;
   int access_ = 0;
   std::uint32_t lkey_ = 0;

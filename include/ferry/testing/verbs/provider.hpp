@@ -73,6 +73,14 @@ struct provider {
                                         int access) noexcept {
     return fabric::instance().reg_mr(pd, addr, length, access);
   }
+  /// Registers `length` bytes of the fake dma-buf `fd` (ferry::testing::fake_dmabuf) from `offset`
+  /// on, addressed by work requests from `iova` on; null with errno set on failure: EBADF when `fd`
+  /// is no live fake dma-buf, EINVAL for zero bytes or a range past the dma-buf's size.
+  [[nodiscard]] static mr_handle reg_dmabuf_mr(pd_handle pd, std::uint64_t offset,
+                                               std::size_t length, std::uint64_t iova, int fd,
+                                               int access) noexcept {
+    return fabric::instance().reg_dmabuf_mr(pd, offset, length, iova, fd, access);
+  }
   /// Deregisters a region; 0 or an errno value.
   static int dereg_mr(mr_handle mr) noexcept { return fabric::instance().dereg_mr(mr); }
   /// The region's local key.

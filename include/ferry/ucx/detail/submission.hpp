@@ -1,7 +1,8 @@
 #pragma once
 // Handing a get or put request to UCX: each member's range is checked against the region the peer
 // described, then given to ucp_get_nbx or ucp_put_nbx; a landed put batch is followed by one flush
-// of its endpoint (completion.hpp). A part of engine (engine.hpp). Executor thread only.
+// of its endpoint (completion.hpp). A GPU region's memory type goes with each of its members. A part
+// of engine (engine.hpp). Executor thread only.
 
 #include <ucp/api/ucp.h>
 
@@ -70,6 +71,11 @@ struct submission {
       if (m.memh != nullptr) {
         p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
         p.memh = m.memh;
+      }
+      // A GPU region's type is known: UCX need not look the buffer up to find it.
+      if (m.region && m.region->type != memory_type::host) {
+        p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+        p.memory_type = to_ucs(m.region->type);
       }
       p.cb.send = &E::on_member_done;
       p.user_data = &m;
