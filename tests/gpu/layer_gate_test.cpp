@@ -430,3 +430,62 @@ TEST_CASE("layer gate: words move in step order while loads end on many threads"
   for (std::size_t l = 0; l < layers; ++l) CHECK(g.released(l) == epochs.back());
   CHECK(g.counters().decided == steps * layers);
 }
+
+TEST_CASE("layer gate: a step's deadline releases it even when an earlier step's deadline is later",
+          "[gpu][layer_gate]") {
+  gate g(opts(1));
+  test_stream st;
+  const std::uint32_t e1 = g.begin_step(std::chrono::hours(1));  // loading, its deadline far off
+  auto [slow, slow_c] = ferry::make_manual_transfer();
+  g.arm(e1, 0, std::span<const transfer>(&slow, 1));
+  const auto deadline = clock_type::now() + 30ms;
+  const std::uint32_t e2 = g.begin_step(deadline);
+  g.enqueue_wait(st.s, 0, e2);
+  REQUIRE(rt::stream_synchronize(st.s) == rt::success);
+  CHECK(clock_type::now() - deadline < hang_bound / 2);  // not held until e1's hour
+  CHECK(g.verdict(e1, 0).state == layer_state::timed_out);
+  CHECK(g.verdict(e2, 0).state == layer_state::timed_out);
+  CHECK(g.released(0) == e2);
+  slow_c.succeed();  // too late: changes nothing
+  CHECK(g.verdict(e1, 0).state == layer_state::timed_out);
+}
+
+TEST_CASE("layer gate: epochs cross the wrap at 2^32", "[gpu][layer_gate]") {
+  fh::layer_gate_options o = opts(2, 4);
+  o.first_epoch = 0xfffffffdu;
+  gate g(o);
+  test_stream st;
+  std::vector<std::uint32_t> seen;
+  for (int i = 0; i < 8; ++i) {
+    const std::uint32_t e = g.begin_step(hang_bound);
+    seen.push_back(e);
+    auto [t, c] = ferry::make_manual_transfer();
+    g.arm(e, 0, std::span<const transfer>(&t, 1));
+    g.seal(e);
+    g.enqueue_wait(st.s, 0, e);
+    g.enqueue_wait(st.s, 1, e);
+    g.enqueue_epoch(st.s, e);
+    g.enqueue_graph_wait(st.s, 0);
+    c.succeed();
+    REQUIRE(rt::stream_synchronize(st.s) == rt::success);
+    CHECK(g.verdict(e, 0).state == layer_state::success);
+    CHECK(g.released(0) == e);
+    CHECK(g.released(1) == e);
+  }
+  CHECK(seen == std::vector<std::uint32_t>{0xfffffffdu, 0xfffffffeu, 0xffffffffu, 0, 1, 2, 3, 4});
+  // A graph wait before any epoch was written passes: the epoch word starts where the words do.
+  gate fresh(o);
+  fresh.enqueue_graph_wait(st.s, 1);
+  REQUIRE(rt::stream_synchronize(st.s) == rt::success);
+}
+
+TEST_CASE("layer gate: a timeout too long for the clock is no deadline, not an overflow",
+          "[gpu][layer_gate]") {
+  gate g(opts(1));
+  const std::uint32_t e = g.begin_step(std::chrono::hours(24 * 365 * 400));
+  std::this_thread::sleep_for(5ms);
+  CHECK(g.verdict(e, 0).state == layer_state::pending);
+  const std::uint32_t e2 = g.begin_step(std::chrono::milliseconds(-5));  // already past
+  CHECK(eventually([&] { return g.verdict(e2, 0).state == layer_state::timed_out; }));
+  CHECK(g.verdict(e, 0).state == layer_state::timed_out);  // released through the later step
+}

@@ -16,9 +16,10 @@
 //     hipStreamWaitValue32). The epoch is a parameter of the call, so it is for streams run eagerly,
 //     not for capture (it would be frozen into the graph; the gate refuses it during capture).
 //   - In a graph: enqueue_epoch(stream, epoch) before each launch, outside the graph, writes the
-//     step's epoch into the gate's device epoch word in stream order (cuStreamWriteValue32); the graph
-//     holds enqueue_graph_wait(stream, layer), a one-thread kernel that reads the epoch word when it
-//     starts and waits for the layer's word to reach it. Captured once, replayed every step.
+//     step's epoch into the gate's epoch word (mapped beside the layers' words) in stream order
+//     (cuStreamWriteValue32); the graph holds enqueue_graph_wait(stream, layer), a one-thread kernel
+//     that reads the epoch word when it starts and waits for the layer's word to reach it. Captured
+//     once, replayed every step. One graph stream per gate: the epoch word is the gate's.
 // Comparisons are cyclic ((int32_t)(word - epoch) >= 0) on CUDA and in the fake, so epochs may wrap;
 // HIP's wait compares plainly, which wraps after 2^32 steps.
 //
@@ -83,6 +84,9 @@ struct layer_gate_options {
   int device = 0;           ///< the GPU whose streams wait on the gate
   std::size_t layers = 0;   ///< layers 0 .. layers - 1 (at least 1, at most 65536)
   std::size_t history = 64;  ///< steps whose verdicts stay readable (at least 1)
+  /// The first step's epoch (each next one is one more, cyclically). The words start one below it.
+  /// Epochs wrap after 2^32 - 1; a test starts near there to cross the wrap.
+  std::uint32_t first_epoch = 1;
 };
 
 /// What a layer gate has done so far (basic_layer_gate::counters()).
@@ -125,7 +129,7 @@ struct gate_shared {
   gate_step* find(std::uint32_t epoch) noexcept {
     if (steps.empty()) return nullptr;
     const std::uint32_t first = steps.front().epoch;
-    const std::uint32_t index = epoch - first;  // cyclic: epoch 0 is never used, see next_epoch
+    const std::uint32_t index = epoch - first;  // cyclic: epochs are consecutive, 0 after 2^32 - 1
     if (epoch_after(first, epoch) || index >= steps.size()) return nullptr;
     gate_step& s = steps[index];
     return s.epoch == epoch ? &s : nullptr;
@@ -143,6 +147,28 @@ struct gate_shared {
     advance(layer);
     if (--s->undecided == 0) return std::move(s->deadline_watch);
     return {};
+  }
+
+  // Decides every layer still pending of step `epoch` and of every step before it with `v` (a step's
+  // deadline releases it even if an earlier step's deadline is later). Returns the completers of the
+  // steps' deadline waits this ended, to complete outside the lock.
+  std::vector<completer> decide_through(std::uint32_t epoch, layer_verdict v) noexcept {
+    std::vector<completer> ended;
+    if (words == nullptr) return ended;
+    for (gate_step& s : steps) {
+      if (epoch_after(s.epoch, epoch)) break;
+      for (std::size_t l = 0; l < s.layers.size(); ++l) {
+        completer c = decide(s.epoch, l, v);
+        if (c.valid()) {
+          try {
+            ended.push_back(std::move(c));
+          } catch (...) {
+            // No room to hand it back: dropping it ends its wait too (abandoned).
+          }
+        }
+      }
+    }
+    return ended;
   }
 
   // Moves the layer's word to the newest step up to which every step's layer is decided.
@@ -189,14 +215,31 @@ inline task<void> watch_deadline(std::shared_ptr<gate_shared> g, std::uint32_t e
   const std::span<const transfer> one(&until, 1);
   const batch_result r = co_await when_all(one, timeout);
   if (r.verdict == verdict::success) co_return;
-  completer last;  // completed (it ends nothing now) and let go of outside the lock
+  std::vector<completer> ended;  // let go of outside the lock
   std::lock_guard lock(g->mutex);
-  gate_step* s = g->find(epoch);
-  if (s == nullptr) co_return;
-  for (std::size_t l = 0; l < s->layers.size(); ++l) {
-    completer c = g->decide(epoch, l, {layer_state::timed_out, std::make_error_code(std::errc::timed_out)});
-    if (c.valid()) last = std::move(c);
+  ended = g->decide_through(epoch, {layer_state::timed_out, std::make_error_code(std::errc::timed_out)});
+}
+
+// What a watch that could not run (no memory for its frames or its timer) leaves: the layer, or the
+// step with every step before it, failed, so that no stream waits on it. Any thread; noexcept.
+inline void watch_failed(const std::shared_ptr<gate_shared>& g, std::uint32_t epoch, std::size_t layer,
+                         bool whole_step) noexcept {
+  const layer_verdict v{layer_state::failed, std::make_error_code(std::errc::not_enough_memory)};
+  std::vector<completer> ended;
+  completer last;
+  std::lock_guard lock(g->mutex);
+  if (whole_step) {
+    ended = g->decide_through(epoch, v);
+  } else {
+    last = g->decide(epoch, layer, v);
   }
+}
+
+// The scheduler the watches resume on: the thread that decides them. Static, so that a watch that
+// ends after the gate never reaches into it.
+inline inline_scheduler& watch_scheduler() noexcept {
+  static inline_scheduler s;
+  return s;
 }
 
 }  // namespace detail
@@ -231,20 +274,19 @@ class basic_layer_gate {
     }
     const detail::device_scope<R> on(options_.device);
     void* host = nullptr;
-    check(R::malloc_host_mapped(&host, options_.layers * sizeof(std::uint32_t)), "malloc_host_mapped");
+    // One word per layer, then the epoch word.
+    check(R::malloc_host_mapped(&host, (options_.layers + 1) * sizeof(std::uint32_t)), "malloc_host_mapped");
     words_ = static_cast<std::uint32_t*>(host);
     try {
-      std::fill_n(words_, options_.layers, 0u);
+      std::fill_n(words_, options_.layers + 1, options_.first_epoch - 1);
       void* device_words = nullptr;
       check(R::host_device_pointer(&device_words, host), "host_device_pointer");
       device_words_ = static_cast<std::uint32_t*>(device_words);
-      void* epoch = nullptr;
-      check(R::malloc_device(&epoch, sizeof(std::uint32_t)), "malloc_device");
-      epoch_word_ = epoch;
-      check(R::memset_device(epoch_word_, 0, sizeof(std::uint32_t)), "memset_device");
+      epoch_word_ = device_words_ + options_.layers;
       shared_ = std::make_shared<detail::gate_shared>();
       shared_->words = words_;
-      shared_->released.assign(options_.layers, 0);
+      shared_->newest = options_.first_epoch - 1;
+      shared_->released.assign(options_.layers, options_.first_epoch - 1);
     } catch (...) {
       free_memory();
       throw;
@@ -257,7 +299,6 @@ class basic_layer_gate {
   /// Releases every wait (the words jump to the newest epoch; pending layers read `closed`), waits
   /// for the device to finish what it enqueued (the waits read the gate's memory), and frees it.
   ~basic_layer_gate() {
-    std::vector<completer> watches;
     {
       std::lock_guard lock(shared_->mutex);
       for (detail::gate_step& s : shared_->steps) {
@@ -265,14 +306,14 @@ class basic_layer_gate {
           if (v.state == layer_state::pending) v = {layer_state::closed, make_error_code(errc::backend_shut_down)};
         }
         s.undecided = 0;
-        watches.push_back(std::move(s.deadline_watch));
+        // Ends the step's deadline wait: it resumes here and returns at once, taking no lock.
+        s.deadline_watch.succeed();
       }
       for (std::size_t l = 0; l < options_.layers; ++l) {
         std::atomic_ref<std::uint32_t>(words_[l]).store(shared_->newest, std::memory_order_release);
       }
       shared_->words = nullptr;
     }
-    for (completer& c : watches) c.succeed();
     {
       const detail::device_scope<R> on(options_.device);
       (void)R::device_synchronize();
@@ -280,15 +321,16 @@ class basic_layer_gate {
     free_memory();
   }
 
-  /// Begins a step: its epoch (1, 2, ... cyclic, never 0). Every layer of the step is released by
-  /// `deadline` at the latest, armed or not, sealed or not.
+  /// Begins a step: its epoch (1, 2, ..., cyclic: after 2^32 - 1 comes 0). Every layer of the step,
+  /// and of every step before it, is released by `deadline` at the latest, armed or not, sealed or
+  /// not. If the gate cannot watch the deadline (no memory) the step's layers are failed at once
+  /// and std::bad_alloc is thrown.
   std::uint32_t begin_step(clock::time_point deadline) {
     std::uint32_t epoch = 0;
     transfer until;
     {
       std::lock_guard lock(shared_->mutex);
-      epoch = shared_->newest + 1;
-      if (epoch == 0) epoch = 1;  // 0 is every word's start: no step may be released by it
+      epoch = shared_->newest + 1;  // wraps to 0 after 2^32 - 1: every comparison is cyclic
       while (!shared_->steps.empty() && shared_->steps.front().undecided == 0 &&
              shared_->steps.size() >= options_.history) {
         shared_->steps.pop_front();
@@ -306,20 +348,27 @@ class basic_layer_gate {
       shared_->newest = epoch;
       ++shared_->counts.steps;
     }
-    spawn(inline_, detail::watch_deadline(shared_, epoch, std::move(until), remaining(deadline)));
+    start_watch([&] { return detail::watch_deadline(shared_, epoch, std::move(until), remaining(deadline)); },
+                epoch, 0, true);
     return epoch;
   }
 
-  /// Begins a step whose layers are all released within `timeout` from now.
+  /// Begins a step whose layers are all released within `timeout` from now (saturating: a timeout
+  /// too long for the clock is no deadline).
   template <class Rep, class Period>
   std::uint32_t begin_step(std::chrono::duration<Rep, Period> timeout) {
-    return begin_step(clock::now() + std::chrono::duration_cast<clock::duration>(timeout));
+    const clock::time_point now = clock::now();
+    const auto left = std::chrono::duration_cast<std::chrono::duration<double>>(clock::time_point::max() - now);
+    if (std::chrono::duration<double>(timeout) >= left) return begin_step(clock::time_point::max());
+    if (timeout <= std::chrono::duration<Rep, Period>::zero()) return begin_step(now);
+    return begin_step(now + std::chrono::duration_cast<clock::duration>(timeout));
   }
 
   /// Arms `layer` of step `epoch` with the transfers that load it: the layer is released once all
   /// have succeeded, at the first failure, or at the step's deadline. No transfers: released at once
   /// as success. A layer the deadline already released keeps its verdict. Throws std::logic_error
-  /// for an unknown or sealed step, a layer out of range, or a layer armed twice.
+  /// for an unknown or sealed step, a layer out of range, or a layer armed twice; std::bad_alloc
+  /// when it cannot watch the transfers, after failing the layer (so nothing waits on it).
   void arm(std::uint32_t epoch, std::size_t layer, std::span<const transfer> transfers) {
     std::vector<transfer> members(transfers.begin(), transfers.end());
     clock::time_point deadline{};
@@ -339,7 +388,8 @@ class basic_layer_gate {
     }
     last.succeed();
     if (!members.empty()) {
-      spawn(inline_, detail::watch_layer(shared_, epoch, layer, std::move(members), remaining(deadline)));
+      start_watch([&] { return detail::watch_layer(shared_, epoch, layer, std::move(members), remaining(deadline)); },
+                  epoch, layer, false);
     }
   }
 
@@ -443,7 +493,24 @@ class basic_layer_gate {
   }
 
   static clock::duration remaining(clock::time_point deadline) noexcept {
-    return std::max(deadline - clock::now(), clock::duration::zero());
+    const clock::time_point now = clock::now();
+    return deadline <= now ? clock::duration::zero() : deadline - now;
+  }
+
+  // Starts a watch made by `make` on the deciding thread. A watch that cannot start, or that fails
+  // inside (no memory for its wait or its timer), fails what it watched, so that no stream waits on
+  // it; a failure to start is rethrown.
+  template <class Make>
+  void start_watch(Make&& make, std::uint32_t epoch, std::size_t layer, bool whole_step) {
+    try {
+      spawn(detail::watch_scheduler(), make(),
+            [g = shared_, epoch, layer, whole_step](std::exception_ptr error) noexcept {
+              if (error) detail::watch_failed(g, epoch, layer, whole_step);
+            });
+    } catch (...) {
+      detail::watch_failed(shared_, epoch, layer, whole_step);
+      throw;
+    }
   }
 
   void check_layer(std::size_t layer, const char* call) const {
@@ -485,19 +552,17 @@ class basic_layer_gate {
   void free_memory() noexcept {
     const detail::device_scope<R> on(options_.device);
     if (kernel_loaded_) (void)R::gate_kernel_unload(kernel_);
-    if (epoch_word_ != nullptr) (void)R::free_device(epoch_word_);
     if (words_ != nullptr) (void)R::free_host(words_);
   }
 
   layer_gate_options options_;
   std::uint32_t* words_ = nullptr;         // host address of the words
   std::uint32_t* device_words_ = nullptr;  // the GPU's address of the same words
-  void* epoch_word_ = nullptr;             // device memory: the epoch graph waits compare against
+  std::uint32_t* epoch_word_ = nullptr;    // the GPU's address of the epoch graph waits compare against
   std::shared_ptr<detail::gate_shared> shared_;
   std::mutex kernel_mutex_;
   typename R::kernel_handle kernel_{};
   bool kernel_loaded_ = false;  // guarded by kernel_mutex_
-  inline_scheduler inline_;
 };
 
 }  // namespace ferry::gpu
