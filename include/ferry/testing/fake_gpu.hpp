@@ -595,18 +595,26 @@ struct runtime {
     std::memset(p, value, n);
     return success;
   }
-  /// Waits until every stream's operations have finished.
+  /// Waits until every operation on the current device's streams has finished (streams capturing
+  /// are skipped). Looks the streams up afresh each time round, so one destroyed meanwhile is never
+  /// touched.
   static int device_synchronize() noexcept {
     control& c = control::instance();
-    std::vector<stream*> all;
-    {
-      std::lock_guard lock(c.mutex_);
+    const int device = current_device;
+    std::unique_lock lock(c.mutex_);
+    for (;;) {
+      const auto now = std::chrono::steady_clock::now();
+      bool idle = true;
       for (const auto& s : c.streams_) {
-        if (!s->capturing) all.push_back(s.get());
+        if (s->device != device || s->capturing) continue;
+        c.advance(*s, now);
+        idle = idle && s->queue.empty();
       }
+      if (idle) return success;
+      lock.unlock();
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+      lock.lock();
     }
-    for (stream* s : all) stream_synchronize(s);
-    return success;
   }
 };
 
