@@ -3,7 +3,8 @@
 // basic_memory_region::register_dmabuf) to read and write the GPU's memory directly. The export
 // itself is the GPU runtime's: CUDA's cuMemGetHandleForAddressRange (driver 11.7 and later), reached
 // through the runtime's driver entry points so that nothing links libcuda; HSA's
-// hsa_amd_portable_export_dmabuf on ROCm (HSA AMD extension interface 1.1, ROCm 5.6 and later).
+// hsa_amd_portable_export_dmabuf on ROCm (HSA AMD extension interface 1.1 and later; which ROCm
+// release first ships it was not checked here).
 // The CUDA export is compiled where FERRY_GPU_CUDA is defined (link -lcudart), the ROCm one where
 // __HIP_PLATFORM_AMD__ is (link -lhsa-runtime64 where the export exists); without either this header
 // holds only the descriptor's owner. Tests without a GPU use ferry::testing::fake_dmabuf instead.
@@ -224,7 +225,7 @@ inline std::string cuda_result_name(CUresult r) {
 
 /// Exports [device_pointer, device_pointer + length) of ROCm device memory (hipMalloc) as a
 /// dma-buf with HSA's hsa_amd_portable_export_dmabuf, which needs the HSA AMD extension interface
-/// 1.1 (ROCm 5.6 and later; link -lhsa-runtime64). The result's offset() says where
+/// 1.1 and later (link -lhsa-runtime64). The result's offset() says where
 /// `device_pointer` lies in the dma-buf. Throws std::system_error naming the call:
 /// invalid_argument for a null pointer or zero bytes; operation_not_supported where this ROCm's
 /// headers have no dma-buf export (ROCm 5.2, Debian's, has none: its interface is 1.0), or where
@@ -262,7 +263,7 @@ inline std::string cuda_result_name(CUresult r) {
 #else
           "was not found" +
 #endif
-          "); the interface 1.1 of ROCm 5.6 and later adds hsa_amd_portable_export_dmabuf");
+          "); HSA AMD extension interface 1.1 adds hsa_amd_portable_export_dmabuf");
 #endif
 }
 
