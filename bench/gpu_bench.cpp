@@ -223,11 +223,10 @@ int main(int argc, char** argv) {
             gate.arm(e, 0, std::span<const ferry::transfer>(&t, 1));
             gate.seal(e);
             if (mode == 0) {
-              gate.enqueue_wait(gs, 0, e);
+              gate.enqueue_wait(gs, e, 0);
               require(rt::stream_write_value32(gs, flag_dev, want), "stream_write_value32");
             } else {
-              gate.enqueue_epoch(gs, e);
-              require(rt::graph_launch(forward, gs), "graph_launch");
+              gate.launch_graph(gs, forward, e);
             }
           } else if (mode == 2) {
             require(rt::stream_wait_value32(gs, raw_dev, ++raw_value), "stream_wait_value32");

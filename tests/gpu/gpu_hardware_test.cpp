@@ -150,7 +150,7 @@ int main() {
                                       src.data() + ((static_cast<std::size_t>(step) + l) % 64) * block, block,
                                       fh::copy_kind::host_to_device));
           gate.arm(e, l, std::span<const ferry::transfer>(&loads.back(), 1));
-          gate.enqueue_wait(compute, l, e);
+          gate.enqueue_wait(compute, e, l);
           require(rt::memcpy_async(static_cast<std::byte*>(outs.ptr) + l * block,
                                    static_cast<std::byte*>(blocks.ptr) + l * block, block,
                                    fh::copy_kind::device_to_device, compute),
@@ -193,8 +193,7 @@ int main() {
         const std::size_t hanging = slow ? rng() % layers : layers;
         std::vector<ferry::transfer> loads;
         std::vector<ferry::completer> injected;
-        gate.enqueue_epoch(compute, e);
-        require(rt::graph_launch(forward, compute), "graph_launch");
+        gate.launch_graph(compute, forward, e);
         for (std::size_t l = 0; l < layers; ++l) {
           if (l == failing || l == hanging) {
             auto [t, c] = ferry::make_manual_transfer();

@@ -82,9 +82,9 @@ TEST_CASE("layer gate: a stream waits for its layer, and only its layer", "[gpu]
 
   // Layer by layer, as an engine's forward: wait, then the layer's "kernel" (a copy of its block).
   std::vector<std::byte> block0(64, std::byte{0}), block1(64, std::byte{0}), out0(64), out1(64);
-  g.enqueue_wait(st.s, 0, e);
+  g.enqueue_wait(st.s, e, 0);
   REQUIRE(rt::memcpy_async(out0.data(), block0.data(), 64, fh::copy_kind::device_to_device, st.s) == rt::success);
-  g.enqueue_wait(st.s, 1, e);
+  g.enqueue_wait(st.s, e, 1);
   REQUIRE(rt::memcpy_async(out1.data(), block1.data(), 64, fh::copy_kind::device_to_device, st.s) == rt::success);
   std::this_thread::sleep_for(2ms);
   fh::fake::control::instance().run_now();
@@ -127,8 +127,8 @@ TEST_CASE("layer gate: a failed layer is released at once, its failure readable 
   }
   g.arm(e, 0, layer0);
   g.seal(e);
-  g.enqueue_wait(st.s, 0, e);
-  g.enqueue_wait(st.s, 1, e);
+  g.enqueue_wait(st.s, e, 0);
+  g.enqueue_wait(st.s, e, 1);
   cs[0].succeed();
   cs[2].fail(std::make_error_code(std::errc::connection_reset));
   REQUIRE(rt::stream_synchronize(st.s) == rt::success);  // released by the failure, not the deadline
@@ -153,7 +153,7 @@ TEST_CASE("layer gate: no stream waits past the step's deadline, armed, unarmed 
   auto [never, keep] = ferry::make_manual_transfer();  // a load that never ends
   g.arm(e, 0, std::span<const transfer>(&never, 1));
   // Layer 1 is never armed, and the step is never sealed.
-  for (std::size_t l = 0; l < 3; ++l) g.enqueue_wait(st.s, l, e);
+  for (std::size_t l = 0; l < 3; ++l) g.enqueue_wait(st.s, e, l);
   REQUIRE(rt::stream_synchronize(st.s) == rt::success);
   const auto released_at = clock_type::now();
   CHECK(released_at >= deadline);
@@ -161,7 +161,8 @@ TEST_CASE("layer gate: no stream waits past the step's deadline, armed, unarmed 
   for (std::size_t l = 0; l < 3; ++l) {
     const fh::layer_verdict v = g.verdict(e, l);
     CHECK(v.state == layer_state::timed_out);
-    CHECK(v.error == std::errc::timed_out);
+    CHECK(v.error == fh::gate_errc::deadline_passed);
+    CHECK(v.error.message().find("deadline") != std::string::npos);
   }
   CHECK(g.counters().timed_out == 3);
   // Arming after the deadline changes nothing.
@@ -180,7 +181,7 @@ TEST_CASE("layer gate: a word never passes a step whose layer is undecided", "[g
   auto [t2, c2] = ferry::make_manual_transfer();
   g.arm(e1, 0, std::span<const transfer>(&t1, 1));
   g.arm(e2, 0, std::span<const transfer>(&t2, 1));
-  g.enqueue_wait(st.s, 0, e1);
+  g.enqueue_wait(st.s, e1, 0);
   c2.succeed();  // step 2 decided first
   CHECK(g.verdict(e2, 0).state == layer_state::success);
   CHECK(g.released(0) == 0);  // step 1 is still loading: its wait must hold
@@ -204,7 +205,7 @@ TEST_CASE("layer gate: a captured graph replayed 1000 times, with failures and t
 
   // The forward, captured once: per layer the gate's wait, then the layer's "kernel".
   REQUIRE(rt::stream_begin_capture(st.s) == rt::success);
-  CHECK_THROWS_AS(g.enqueue_wait(st.s, 0, 1), std::logic_error);  // no step 1 yet: refused first
+  CHECK_THROWS_AS(g.enqueue_wait(st.s, 1, 0), std::logic_error);  // no step 1 yet: refused first
   for (std::size_t l = 0; l < layers; ++l) {
     g.enqueue_graph_wait(st.s, l);
     REQUIRE(rt::memcpy_async(out[l].data(), blocks[l].data(), bytes, fh::copy_kind::device_to_device,
@@ -233,8 +234,7 @@ TEST_CASE("layer gate: a captured graph replayed 1000 times, with failures and t
       g.arm(e, l, std::span<const transfer>(&ts[l], 1));
     }
     g.seal(e);
-    g.enqueue_epoch(st.s, e);
-    REQUIRE(rt::graph_launch(exec, st.s) == rt::success);
+    g.launch_graph(st.s, exec, e);
 
     // The loads land in a random order from another thread; some fail, one may never end.
     const std::size_t failing =
@@ -291,7 +291,7 @@ TEST_CASE("layer gate: waits that would freeze an epoch into a graph are refused
   g.seal(e);
   REQUIRE(rt::stream_begin_capture(st.s) == rt::success);
   try {
-    g.enqueue_wait(st.s, 0, e);
+    g.enqueue_wait(st.s, e, 0);
     FAIL("enqueue_wait during capture was accepted");
   } catch (const std::logic_error& x) {
     CHECK(std::string(x.what()).find("capturing") != std::string::npos);
@@ -318,12 +318,12 @@ TEST_CASE("layer gate: bad input is refused, naming what was wrong", "[gpu][laye
   test_stream st;
   CHECK_THROWS_AS(g.arm(1, 0, {}), std::logic_error);  // not begun
   CHECK_THROWS_AS(g.seal(1), std::logic_error);
-  CHECK_THROWS_AS(g.enqueue_wait(st.s, 0, 1), std::logic_error);
+  CHECK_THROWS_AS(g.enqueue_wait(st.s, 1, 0), std::logic_error);
   CHECK_THROWS_AS(g.enqueue_epoch(st.s, 1), std::logic_error);
   CHECK_THROWS_AS((void)g.verdict(1, 0), std::out_of_range);
   const std::uint32_t e = g.begin_step(hang_bound);
   CHECK_THROWS_AS(g.arm(e, 2, {}), std::logic_error);
-  CHECK_THROWS_AS(g.enqueue_wait(st.s, 2, e), std::logic_error);
+  CHECK_THROWS_AS(g.enqueue_wait(st.s, e, 2), std::logic_error);
   CHECK_THROWS_AS(g.enqueue_graph_wait(st.s, 2), std::logic_error);
   CHECK_THROWS_AS((void)g.word_address(2), std::logic_error);
   g.arm(e, 0, {});
@@ -339,13 +339,13 @@ TEST_CASE("layer gate: bad input is refused, naming what was wrong", "[gpu][laye
   // A refusal by the runtime is a system_error naming the call; the gate goes on.
   fh::fake::control::instance().refuse_next_enqueues(1);
   try {
-    g.enqueue_wait(st.s, 0, e);
+    g.enqueue_wait(st.s, e, 0);
     FAIL("a refused enqueue was not reported");
   } catch (const std::system_error& x) {
     CHECK(std::string(x.what()).find("stream_wait_value32") != std::string::npos);
     CHECK(x.code().value() == fh::fake::error_invalid_value);
   }
-  g.enqueue_wait(st.s, 0, e);
+  g.enqueue_wait(st.s, e, 0);
   REQUIRE(rt::stream_synchronize(st.s) == rt::success);
 }
 
@@ -357,7 +357,7 @@ TEST_CASE("layer gate: destroying the gate releases a stream still waiting", "[g
     gate g(opts(1));
     const std::uint32_t e = g.begin_step(std::chrono::hours(1));
     g.arm(e, 0, std::span<const transfer>(&never, 1));
-    g.enqueue_wait(st.s, 0, e);
+    g.enqueue_wait(st.s, e, 0);
     std::this_thread::sleep_for(1ms);
   }  // the destructor releases the wait and waits for the stream
   CHECK(queued(st) == 0);
@@ -440,7 +440,7 @@ TEST_CASE("layer gate: a step's deadline releases it even when an earlier step's
   g.arm(e1, 0, std::span<const transfer>(&slow, 1));
   const auto deadline = clock_type::now() + 30ms;
   const std::uint32_t e2 = g.begin_step(deadline);
-  g.enqueue_wait(st.s, 0, e2);
+  g.enqueue_wait(st.s, e2, 0);
   REQUIRE(rt::stream_synchronize(st.s) == rt::success);
   CHECK(clock_type::now() - deadline < hang_bound / 2);  // not held until e1's hour
   CHECK(g.verdict(e1, 0).state == layer_state::timed_out);
@@ -462,8 +462,8 @@ TEST_CASE("layer gate: epochs cross the wrap at 2^32", "[gpu][layer_gate]") {
     auto [t, c] = ferry::make_manual_transfer();
     g.arm(e, 0, std::span<const transfer>(&t, 1));
     g.seal(e);
-    g.enqueue_wait(st.s, 0, e);
-    g.enqueue_wait(st.s, 1, e);
+    g.enqueue_wait(st.s, e, 0);
+    g.enqueue_wait(st.s, e, 1);
     g.enqueue_epoch(st.s, e);
     g.enqueue_graph_wait(st.s, 0);
     c.succeed();

@@ -12,7 +12,7 @@
 // the engine to recompute or abort after the step, as with the kv layer's verdicts.
 //
 // The waits, enqueued on the engine's compute stream before each layer's kernels:
-//   - enqueue_wait(stream, layer, epoch): a stream memory wait, word >= epoch (cuStreamWaitValue32 /
+//   - enqueue_wait(stream, epoch, layer): a stream memory wait, word >= epoch (cuStreamWaitValue32 /
 //     hipStreamWaitValue32). The epoch is a parameter of the call, so it is for streams run eagerly,
 //     not for capture (it would be frozen into the graph; the gate refuses it during capture).
 //   - In a graph: enqueue_epoch(stream, epoch) before each launch, outside the graph, writes the
@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "ferry/batch_result.hpp"
+#include "ferry/detail/error_category.hpp"
 #include "ferry/errors.hpp"
 #include "ferry/gpu/copy_engine.hpp"
 #include "ferry/scheduler.hpp"
@@ -49,6 +50,42 @@
 #include "ferry/task.hpp"
 #include "ferry/transfer.hpp"
 #include "ferry/when_all.hpp"
+
+namespace ferry::gpu {
+
+/// Why the layer gate released a layer that did not load (category "ferry.gpu.gate").
+enum class gate_errc : int {
+  deadline_passed = 1,  ///< the step's deadline passed with the layer's loads still pending
+  gate_closed = 2,      ///< the gate was destroyed before the layer was decided
+  no_memory = 3,        ///< the gate had no memory to watch the layer's loads
+};
+
+/// The message for `e`; nullptr for a value that is no gate_errc.
+[[nodiscard]] constexpr const char* describe(gate_errc e) noexcept {
+  switch (e) {
+    case gate_errc::deadline_passed:
+      return "the step's deadline passed before the layer's loads were decided";
+    case gate_errc::gate_closed: return "the layer gate was destroyed before the layer was decided";
+    case gate_errc::no_memory: return "the layer gate had no memory to watch the layer's loads";
+  }
+  return nullptr;
+}
+
+/// The category of gate_errc, named "ferry.gpu.gate".
+[[nodiscard]] inline const std::error_category& gate_category() noexcept {
+  return ferry::detail::error_category_of<gate_errc, describe>("ferry.gpu.gate");
+}
+
+/// `e` as a std::error_code in gate_category().
+[[nodiscard]] inline std::error_code make_error_code(gate_errc e) noexcept {
+  return {static_cast<int>(e), gate_category()};
+}
+
+}  // namespace ferry::gpu
+
+/// Makes ferry::gpu::gate_errc an error-code enum.
+template <>
+struct std::is_error_code_enum<ferry::gpu::gate_errc> : std::true_type {};
 
 namespace ferry::gpu {
 
@@ -76,14 +113,14 @@ enum class layer_state : std::uint8_t {
 /// A layer's verdict for one step (basic_layer_gate::verdict).
 struct layer_verdict {
   layer_state state = layer_state::pending;  ///< how it ended
-  std::error_code error;  ///< failed: the first failure; timed_out: std::errc::timed_out
+  std::error_code error;  ///< failed: the first failure; timed_out: gate_errc::deadline_passed
 };
 
 /// What a layer gate is made with.
 struct layer_gate_options {
   int device = 0;           ///< the GPU whose streams wait on the gate
   std::size_t layers = 0;   ///< layers 0 .. layers - 1 (at least 1, at most 65536)
-  std::size_t history = 64;  ///< steps whose verdicts stay readable (at least 1)
+  std::size_t history = 64;  ///< decided steps whose verdicts stay readable (at least 1)
   /// The first step's epoch (each next one is one more, cyclically). The words start one below it.
   /// Epochs wrap after 2^32 - 1; a test starts near there to cross the wrap.
   std::uint32_t first_epoch = 1;
@@ -193,7 +230,7 @@ struct gate_shared {
     case verdict::pending:
     case verdict::timed_out: break;
   }
-  return {layer_state::timed_out, std::make_error_code(std::errc::timed_out)};
+  return {layer_state::timed_out, make_error_code(gate_errc::deadline_passed)};
 }
 
 // Decides the layer when its transfers are decided, on the thread that decides them.
@@ -217,14 +254,14 @@ inline task<void> watch_deadline(std::shared_ptr<gate_shared> g, std::uint32_t e
   if (r.verdict == verdict::success) co_return;
   std::vector<completer> ended;  // let go of outside the lock
   std::lock_guard lock(g->mutex);
-  ended = g->decide_through(epoch, {layer_state::timed_out, std::make_error_code(std::errc::timed_out)});
+  ended = g->decide_through(epoch, {layer_state::timed_out, make_error_code(gate_errc::deadline_passed)});
 }
 
 // What a watch that could not run (no memory for its frames or its timer) leaves: the layer, or the
 // step with every step before it, failed, so that no stream waits on it. Any thread; noexcept.
 inline void watch_failed(const std::shared_ptr<gate_shared>& g, std::uint32_t epoch, std::size_t layer,
                          bool whole_step) noexcept {
-  const layer_verdict v{layer_state::failed, std::make_error_code(std::errc::not_enough_memory)};
+  const layer_verdict v{layer_state::failed, make_error_code(gate_errc::no_memory)};
   std::vector<completer> ended;
   completer last;
   std::lock_guard lock(g->mutex);
@@ -248,9 +285,11 @@ inline inline_scheduler& watch_scheduler() noexcept {
 ///
 /// The engine, each step: `e = begin_step(deadline)`; `arm(e, layer, transfers)` as each layer's
 /// loads are posted (the load tracker's layer_transfers(layer)); `seal(e)` once every layer that
-/// loads anything is armed. On the compute stream, before layer L's kernels: enqueue_wait(stream, L,
-/// e), or in a captured graph enqueue_graph_wait(stream, L) with enqueue_epoch(stream, e) before each
-/// launch. After the step: verdict(e, L) says which layers failed or timed out. Thread-safe.
+/// loads anything is armed. On the compute stream, before layer L's kernels: enqueue_wait(stream, e,
+/// L), or in a captured graph enqueue_graph_wait(stream, L), the graph launched with
+/// launch_graph(stream, graph, e) (without the epoch a launch would wait for the step before: no
+/// error says so). After the step: verdict(e, L) says which layers failed or timed out. Every call
+/// takes (epoch, layer) in that order. Thread-safe.
 template <class R>
 class basic_layer_gate {
  public:
@@ -298,12 +337,13 @@ class basic_layer_gate {
 
   /// Releases every wait (the words jump to the newest epoch; pending layers read `closed`), waits
   /// for the device to finish what it enqueued (the waits read the gate's memory), and frees it.
+  /// Destroy graphs holding its waits first: a later launch would read freed memory.
   ~basic_layer_gate() {
     {
       std::lock_guard lock(shared_->mutex);
       for (detail::gate_step& s : shared_->steps) {
         for (layer_verdict& v : s.layers) {
-          if (v.state == layer_state::pending) v = {layer_state::closed, make_error_code(errc::backend_shut_down)};
+          if (v.state == layer_state::pending) v = {layer_state::closed, make_error_code(gate_errc::gate_closed)};
         }
         s.undecided = 0;
         // Ends the step's deadline wait: it resumes here and returns at once, taking no lock.
@@ -394,7 +434,8 @@ class basic_layer_gate {
   }
 
   /// Every layer of step `epoch` not armed loads nothing this step: released at once as success.
-  /// Throws std::logic_error for an unknown step.
+  /// Until then an unarmed layer holds its waits until the step's deadline. Sealing again does
+  /// nothing. Throws std::logic_error for an unknown step.
   void seal(std::uint32_t epoch) {
     completer last;
     {
@@ -435,7 +476,7 @@ class basic_layer_gate {
   /// Enqueues on `stream` a wait until layer `layer` of step `epoch` is released (a stream memory
   /// wait). For streams run eagerly: during a capture it throws std::logic_error (the epoch would be
   /// frozen into the graph; use enqueue_graph_wait). Throws std::system_error if the runtime refuses.
-  void enqueue_wait(typename R::stream_handle stream, std::size_t layer, std::uint32_t epoch) {
+  void enqueue_wait(typename R::stream_handle stream, std::uint32_t epoch, std::size_t layer) {
     check_layer(layer, "enqueue_wait");
     check_begun(epoch, "enqueue_wait");
     refuse_capture(stream, "enqueue_wait");
@@ -450,6 +491,16 @@ class basic_layer_gate {
     refuse_capture(stream, "enqueue_epoch");
     const detail::device_scope<R> on(options_.device);
     check(R::stream_write_value32(stream, epoch_word_, epoch), "stream_write_value32");
+  }
+
+  /// Enqueues on `stream` the epoch of step `epoch` (enqueue_epoch), then launches instantiated graph
+  /// `graph`, which holds the gate's waits (enqueue_graph_wait): each launch of a forward through
+  /// this call waits for its own step. Throws as enqueue_epoch, or std::system_error naming
+  /// graph_launch.
+  void launch_graph(typename R::stream_handle stream, typename R::graph_exec_handle graph, std::uint32_t epoch) {
+    enqueue_epoch(stream, epoch);
+    const detail::device_scope<R> on(options_.device);
+    check(R::graph_launch(graph, stream), "graph_launch");
   }
 
   /// Enqueues on `stream` the gate's kernel: it waits until layer `layer` is released for the epoch
