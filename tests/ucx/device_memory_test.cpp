@@ -16,6 +16,7 @@
 #include <ferry/ucx.hpp>
 
 #include "helpers.hpp"
+#include "ucx/side.hpp"
 
 using namespace ferry_test;
 using ferry::transfer_state;
@@ -23,17 +24,7 @@ namespace ucx = ferry::ucx;
 
 namespace {
 
-ucx::worker_options over(const std::string& transports) {
-  ucx::worker_options o;
-  o.transports = transports;
-  return o;
-}
-
-struct side {
-  explicit side(const std::string& transports) : worker(exec, over(transports)) {}
-  ferry::progress_executor exec;
-  ucx::worker worker;
-};
+using ucx_side::side;
 
 bool supports(ucx::worker& w, ucx::memory_type t) {
   return (w.engine().context()->memory_types() &

@@ -28,6 +28,7 @@
 #include <ferry/ucx.hpp>
 
 #include "helpers.hpp"
+#include "ucx/side.hpp"
 
 using namespace ferry_test;
 using ferry::transfer_state;
@@ -35,19 +36,8 @@ namespace ucx = ferry::ucx;
 
 namespace {
 
-ucx::worker_options over(const std::string& transports) {
-  ucx::worker_options o;
-  o.transports = transports;
-  return o;
-}
-
-// One side: its own executor and worker, as a process of its own would have.
-struct side {
-  explicit side(const std::string& transports) : side(over(transports)) {}
-  explicit side(const ucx::worker_options& options) : exec(), worker(exec, options) {}
-  ferry::progress_executor exec;
-  ucx::worker worker;
-};
+using ucx_side::over;
+using ucx_side::side;
 
 std::vector<std::byte> random_bytes(std::size_t n, unsigned seed) {
   std::vector<std::byte> v(n);

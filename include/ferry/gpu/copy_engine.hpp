@@ -115,6 +115,22 @@ class device_scope {
   bool switched_ = false;
 };
 
+// Throws std::system_error for runtime `R`'s error `e` (not success), saying "who: what".
+template <class R>
+void check_runtime(int e, const char* who, const std::string& what) {
+  if (e != R::success) throw std::system_error(make_runtime_error<R>(e), std::string(who) + ": " + what);
+}
+
+// A device that is not one of the GPUs fails as the runtime's set_device does, naming the call.
+template <class R>
+void check_device(int device, const char* who) {
+  int devices = 0;
+  check_runtime<R>(R::device_count(devices), who, "device_count");
+  if (device < 0 || device >= devices) {
+    check_runtime<R>(R::set_device(device), who, "set_device(" + std::to_string(device) + ")");
+  }
+}
+
 }  // namespace detail
 
 /// The GPU copy backend over runtime `R`: copies as transfers whose events the executor polls.
@@ -135,11 +151,7 @@ class basic_copy_engine {
     if (options_.streams == 0) {
       throw std::invalid_argument("ferry::gpu::copy_engine_options::streams must be at least 1");
     }
-    int devices = 0;
-    check(R::device_count(devices), "device_count");
-    if (options_.device < 0 || options_.device >= devices) {
-      check(R::set_device(options_.device), "set_device(" + std::to_string(options_.device) + ")");
-    }
+    detail::check_device<R>(options_.device, who);
     const detail::device_scope<R> on(options_.device);
     lanes_ = std::make_unique<lane[]>(options_.streams);
     try {
@@ -343,11 +355,8 @@ class basic_copy_engine {
     record_body* tail = nullptr;
   };
 
-  static void check(int e, const std::string& what) {
-    if (e != R::success) {
-      throw std::system_error(make_runtime_error<R>(e), std::string("ferry::hip: ") + what);
-    }
-  }
+  static constexpr const char* who = "ferry::hip";
+  static void check(int e, const std::string& what) { detail::check_runtime<R>(e, who, what); }
 
   typename R::event_handle make_event() {
     const detail::device_scope<R> on(options_.device);  // the event must belong to our streams' device

@@ -306,11 +306,7 @@ class basic_layer_gate {
     if (options_.history == 0) {
       throw std::invalid_argument("ferry::gpu::layer_gate_options::history must be at least 1");
     }
-    int devices = 0;
-    check(R::device_count(devices), "device_count");
-    if (options_.device < 0 || options_.device >= devices) {
-      check(R::set_device(options_.device), "set_device(" + std::to_string(options_.device) + ")");
-    }
+    detail::check_device<R>(options_.device, who);
     const detail::device_scope<R> on(options_.device);
     void* host = nullptr;
     // One word per layer, then the epoch word.
@@ -537,11 +533,8 @@ class basic_layer_gate {
   }
 
  private:
-  static void check(int e, const std::string& what) {
-    if (e != R::success) {
-      throw std::system_error(make_runtime_error<R>(e), "ferry::gpu::layer_gate: " + what);
-    }
-  }
+  static constexpr const char* who = "ferry::gpu::layer_gate";
+  static void check(int e, const std::string& what) { detail::check_runtime<R>(e, who, what); }
 
   static clock::duration remaining(clock::time_point deadline) noexcept {
     const clock::time_point now = clock::now();
